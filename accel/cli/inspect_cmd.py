@@ -1,0 +1,46 @@
+"""`accel inspect`: tensors, codecs, layouts, bits per weight, maps and sizes of an accel output."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from accel.cli.common import JSON_OPTION, emit_json, stdout
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def inspect(
+        path: Path = typer.Argument(..., help="An accel OUT_DIR or container file."),
+        json_out: bool = JSON_OPTION,
+    ) -> None:
+        """List logical tensors with codec, layout, exact bits per weight (codes plus side data) and sizes."""
+        from accel.formats.inspect import inspect_artifact
+
+        report = inspect_artifact(path)
+        if json_out:
+            emit_json(report)
+            return
+        table = Table("tensor", "role", "codec", "layout", "shape", "bits/weight", "bytes")
+        for t in report["tensors"]:
+            codec = t["codec"] + ("".join(f" {k}={v}" for k, v in sorted(t["params"].items())
+                                          if k in ("levels", "group", "dtype")))
+            table.add_row(t["name"], t["role"], codec, t["layout"], "x".join(map(str, t["shape"])),
+                          f"{t['bits_per_weight']:.4f}", _fmt_bytes(t["bytes"]))
+        stdout.print(table)
+        bpw = report["bits_per_weight"]
+        stdout.print(f"quantized tensors: {bpw:.4f} bits/weight" if bpw is not None else "no quantized tensors")
+        stdout.print(f"total: {_fmt_bytes(report['bytes'])} in {len(report['files'])} file(s), "
+                     f"format version {report['format_version']}")
+        for name, m in report["maps"].items():
+            stdout.print(f"map {name}: {m}")

@@ -1,0 +1,74 @@
+"""Entry point: builds the typer app and turns project exceptions into one line and an exit code."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+import typer
+from rich.markup import escape
+
+from accel import __version__
+from accel.cli import calibrate, eval_cmd, export_ane, inspect_cmd, models, probe, quantize, verify
+from accel.cli.common import emit_json, stderr
+from accel.errors import AccelError, CheckFailed
+
+app = typer.Typer(
+    name="accel",
+    help="Offline model conversion for LLMs: calibrate, quantize (Leech lattice, SemKV, DAMP), export to the ANE, "
+    "and inspect, verify and evaluate the results.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"accel {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
+    pass
+
+
+for module in (models, calibrate, quantize, export_ane, inspect_cmd, verify, eval_cmd):
+    module.register(app)
+app.add_typer(probe.app, name="probe")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    want_json = "--json" in argv
+    try:
+        result = app(args=argv, prog_name="accel", standalone_mode=False)
+        return result if isinstance(result, int) else 0
+    except click.exceptions.Exit as exc:
+        return exc.exit_code
+    except click.exceptions.Abort:
+        stderr.print("aborted")
+        return 130
+    except click.exceptions.ClickException as exc:  # usage errors: bad option, missing argument
+        exc.show()
+        return 2
+    except AccelError as exc:
+        message = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
+        if want_json:
+            emit_json({"ok": False, "error": message})
+        stderr.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
+        return 2
+    except CheckFailed as exc:
+        if str(exc):
+            stderr.print(f"[bold red]failed:[/] {escape(str(exc))}", soft_wrap=True)
+        return 1
+    except KeyboardInterrupt:
+        stderr.print("interrupted")
+        return 130
+
+
+def run() -> None:
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""`accel quantize`: weights (rtnN now; leech/gptq later), KV and state maps, written as an OUT_DIR."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from accel.cli.common import JSON_OPTION, BarProgress, emit_json, not_available, stdout
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def quantize(
+        model: str = typer.Argument(..., help="HF directory, .gguf file or alias (see `accel models`)."),
+        out: Path = typer.Option(..., "--out", help="Output directory (refused if it exists, unless --force)."),
+        weights: str = typer.Option(None, "--weights", help="rtn2..rtn8 (leech2|3|4, gptq2|3|4 to come)."),
+        group: int = typer.Option(64, "--group", help="Group size along the input axis for scalar grids."),
+        calib: Path = typer.Option(None, "--calib", help="Calibration directory from `accel calibrate`."),
+        layout: str = typer.Option(None, "--layout", help="Code layout: packed, base, planes, onehot."),
+        kv: str = typer.Option(None, "--kv", help="semkv[:auto|LLO/LHI@FRAC] KV-cache precision map."),
+        state: str = typer.Option(None, "--state", help="damp[:BITS] recurrent-state channel map."),
+        seed: int = typer.Option(0, "--seed", help="Seed for every randomized step."),
+        force: bool = typer.Option(False, "--force", help="Replace an existing --out."),
+        json_out: bool = JSON_OPTION,
+    ) -> None:
+        """Quantize MODEL and write an accel OUT_DIR (config, weights, tokenizer, accel.json)."""
+        if kv:
+            not_available("accel quantize --kv", 5)
+        if state:
+            not_available("accel quantize --state", 6)
+        from accel.quantize.pipeline import QuantizeSettings, quantize_model
+
+        settings = QuantizeSettings(weights=weights, group=group, layout=layout, seed=seed,
+                                    calib=str(calib) if calib else None)
+        report = quantize_model(model, out, settings, force=force, progress=BarProgress())
+        if json_out:
+            emit_json(report)
+            return
+        stdout.print(f"wrote {report['out']}: {report['quantized_tensors']} of {report['tensors']} tensors quantized "
+                     f"with {report['weights']}, {report['bits_per_weight']:.4f} bits/weight, "
+                     f"{report['seconds']:.1f} s, peak RSS {report['peak_rss_mb']:.0f} MB")

@@ -1,0 +1,284 @@
+"""GGUF files (llama.cpp): memory-mapped, dequantized to float32 one tensor at a time, under HF names.
+
+Only the llama architecture is mapped. llama.cpp's converter permutes the rows of the Q and K projections (it
+interleaves the two rotary halves of every head); `unpermute_qk` undoes it, as transformers' GGUF loader does.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from accel.converters.sources import ModelSource, config_json_bytes, one_line
+from accel.errors import AccelError, FormatError
+
+_FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+# GGUF block name -> Hugging Face module path, for llama.
+_LLAMA_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LLAMA_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
+_TOP_RE = re.compile(r"([a-z_]+)\.(weight|bias)")
+
+
+def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's `permute(w, n_head, n_head_kv)` on Q/K rows (n_head = the heads this projection has).
+
+    llama.cpp reorders each head's rows from [half0 | half1] to interleaved pairs; this restores HF's order.
+    """
+    rows = weight.shape[0]
+    half = rows // n_head // 2
+    return weight.reshape(n_head, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def permute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's own permutation (convert_hf_to_gguf.LlamaModel.permute), the inverse of `unpermute_qk`."""
+    rows = weight.shape[0]
+    half = rows // n_head // 2
+    return weight.reshape(n_head, 2, half, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    gguf_name: str
+    shape: tuple[int, ...]  # HF (PyTorch) orientation
+    dtype: str
+    qk_heads: int | None  # set for Q/K projections: the head count to unpermute with
+
+
+def _scalar(reader: Any, key: str, default: Any = None) -> Any:
+    """One scalar metadata value (int, float, bool or str), or `default` when absent."""
+    import gguf
+
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    if not field.types or field.types[0] == gguf.GGUFValueType.ARRAY:
+        raise AccelError(f"{reader.data.filename}: GGUF metadata {key!r} is an array; one value was expected")
+    part = field.parts[field.data[0]]
+    if field.types[0] == gguf.GGUFValueType.STRING:
+        return bytes(part).decode("utf-8", errors="replace")
+    return part[0].item()
+
+
+def _float32_shortest(value: float) -> float:
+    """The shortest decimal that is the same float32, e.g. 9.999999747e-06 -> 1e-05 (both are one float32)."""
+    return float(str(np.float32(value)))
+
+
+class GGUFSource(ModelSource):
+    """A .gguf file of a supported architecture, seen as a Hugging Face model."""
+
+    SUPPORTED_ARCHITECTURES = ("llama",)
+
+    def __init__(self, path: Path, name: str | None = None):
+        import gguf
+
+        self.path = Path(path).absolute()
+        self.name = name if name is not None else str(path)
+        try:
+            self._reader = gguf.GGUFReader(str(self.path), "r")
+            tensors = list(self._reader.tensors)
+            # Touch every tensor's extent: a truncated file fails here, not halfway through a conversion.
+            for t in tensors:
+                if t.data.nbytes != t.n_bytes:
+                    raise ValueError(f"tensor {t.name} has {t.data.nbytes} of its {t.n_bytes} bytes")
+        except AccelError:
+            raise
+        except Exception as err:  # gguf raises ValueError / struct / numpy errors on damaged files
+            raise FormatError(f"{self.path}: not a valid GGUF file: {one_line(err)}") from err
+
+        self.architecture = str(_scalar(self._reader, "general.architecture", ""))
+        if self.architecture not in self.SUPPORTED_ARCHITECTURES:
+            raise AccelError(
+                f"{self.path}: GGUF architecture {self.architecture!r} is not supported "
+                f"(supported: {', '.join(self.SUPPORTED_ARCHITECTURES)})"
+            )
+        self._tensors = {t.name: t for t in tensors}
+        self.config = self._llama_config()
+        self._entries = self._llama_entries()
+        self._names = sorted(self._entries)
+        self.input_files = [self.path]
+        self._tokenizer = None
+
+    # --- llama ---------------------------------------------------------------------------------------------
+
+    def _meta(self, key: str, default: Any = None, required: bool = False) -> Any:
+        value = _scalar(self._reader, f"{self.architecture}.{key}", default)
+        if value is None and required:
+            raise FormatError(f"{self.path}: GGUF metadata {self.architecture}.{key} is missing")
+        return value
+
+    def _llama_config(self) -> dict[str, Any]:
+        hidden = int(self._meta("embedding_length", required=True))
+        n_head = int(self._meta("attention.head_count", required=True))
+        n_kv = int(self._meta("attention.head_count_kv", n_head))
+        if n_head <= 0 or n_kv <= 0 or n_head % n_kv:
+            raise FormatError(f"{self.path}: {n_head} attention heads cannot share {n_kv} key/value heads")
+        head_dim = (
+            self._meta("attention.key_length") or self._meta("rope.dimension_count") or hidden // n_head
+        )
+        scaling = self._meta("rope.scaling.type")
+        if scaling not in (None, "none"):
+            raise AccelError(f"{self.path}: llama GGUF with rope scaling {scaling!r} is not supported yet")
+        if self._meta("expert_count"):
+            raise AccelError(f"{self.path}: mixture-of-experts llama GGUF files are not supported yet")
+
+        embed = self._tensors.get("token_embd.weight")
+        if embed is None:
+            raise FormatError(f"{self.path}: no token_embd.weight tensor")
+        vocab = int(embed.shape[1])  # GGUF lists dimensions innermost first
+        meta_vocab = self._meta("vocab_size")
+        if meta_vocab is not None and int(meta_vocab) != vocab:
+            raise FormatError(f"{self.path}: vocab_size {meta_vocab} but token_embd.weight has {vocab} rows")
+
+        names = self._tensors
+        config: dict[str, Any] = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": vocab,
+            "hidden_size": hidden,
+            "intermediate_size": int(self._meta("feed_forward_length", required=True)),
+            "num_hidden_layers": int(self._meta("block_count", required=True)),
+            "num_attention_heads": n_head,
+            "num_key_value_heads": n_kv,
+            "head_dim": int(head_dim),
+            "hidden_act": "silu",
+            "max_position_embeddings": int(self._meta("context_length", 2048)),
+            "rms_norm_eps": _float32_shortest(self._meta("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": _float32_shortest(self._meta("rope.freq_base", 10000.0)),
+            "attention_bias": any(
+                n.endswith(".bias") and n.split(".")[2] in ("attn_q", "attn_k", "attn_v", "attn_output")
+                for n in names
+                if n.startswith("blk.")
+            ),
+            "mlp_bias": any(
+                n.endswith(".bias") and n.split(".")[2].startswith("ffn_")
+                for n in names
+                if n.startswith("blk.")
+            ),
+            "tie_word_embeddings": "output.weight" not in names,
+        }
+        for key, hf_key in (
+            ("bos_token_id", "bos_token_id"),
+            ("eos_token_id", "eos_token_id"),
+            ("padding_token_id", "pad_token_id"),
+        ):
+            value = _scalar(self._reader, f"tokenizer.ggml.{key}")
+            if value is not None:
+                config[hf_key] = int(value)
+        return config
+
+    def _hf_name(self, gguf_name: str) -> str:
+        if gguf_name == "rope_freqs.weight":
+            raise AccelError(
+                f"{self.path}: llama3-style rope frequency scaling (rope_freqs.weight) is not supported yet"
+            )
+        match = _BLOCK_RE.fullmatch(gguf_name)
+        if match and match.group(2) in _LLAMA_BLOCK:
+            layer, part, suffix = match.groups()
+            if int(layer) >= self.config["num_hidden_layers"]:
+                raise FormatError(f"{self.path}: tensor {gguf_name} is beyond block_count")
+            return f"model.layers.{int(layer)}.{_LLAMA_BLOCK[part]}.{suffix}"
+        match = _TOP_RE.fullmatch(gguf_name)
+        if match and match.group(1) in _LLAMA_TOP:
+            return f"{_LLAMA_TOP[match.group(1)]}.{match.group(2)}"
+        raise AccelError(f"{self.path}: GGUF tensor {gguf_name!r} has no Hugging Face llama counterpart")
+
+    def _llama_entries(self) -> dict[str, _Entry]:
+        cfg = self.config
+        entries: dict[str, _Entry] = {}
+        for gguf_name, t in self._tensors.items():
+            hf_name = self._hf_name(gguf_name)
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            qk_heads = None
+            if ".attn_q." in gguf_name:
+                qk_heads = cfg["num_attention_heads"]
+            elif ".attn_k." in gguf_name:
+                qk_heads = cfg["num_key_value_heads"]
+            if qk_heads is not None and shape[0] != qk_heads * cfg["head_dim"]:
+                raise FormatError(
+                    f"{self.path}: tensor {gguf_name} has {shape[0]} rows, expected {qk_heads} heads x "
+                    f"{cfg['head_dim']}"
+                )
+            type_name = t.tensor_type.name
+            entries[hf_name] = _Entry(gguf_name, shape, _FLOAT_TYPES.get(type_name, "float32"), qk_heads)
+        return entries
+
+    # --- ModelSource ---------------------------------------------------------------------------------------
+
+    def tensor_names(self) -> list[str]:
+        return list(self._names)
+
+    def gguf_name(self, name: str) -> str:
+        """The name the GGUF file stores a Hugging Face tensor under."""
+        if name not in self._entries:
+            raise self._unknown_tensor(name)
+        return self._entries[name].gguf_name
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        if name not in self._entries:
+            raise self._unknown_tensor(name)
+        return self._entries[name].shape
+
+    def tensor_dtype(self, name: str) -> str:
+        if name not in self._entries:
+            raise self._unknown_tensor(name)
+        return self._entries[name].dtype
+
+    def load_tensor(self, name: str) -> np.ndarray:
+        import gguf
+
+        entry = self._entries.get(name)
+        if entry is None:
+            raise self._unknown_tensor(name)
+        t = self._tensors[entry.gguf_name]
+        try:
+            values = gguf.quants.dequantize(t.data, t.tensor_type)
+            values = np.asarray(values, dtype=np.float32).reshape(entry.shape)
+        except Exception as err:
+            raise FormatError(
+                f"{self.path}: cannot dequantize {entry.gguf_name} ({t.tensor_type.name}): {one_line(err)}"
+            ) from err
+        if entry.qk_heads is not None:
+            values = unpermute_qk(values, entry.qk_heads)
+        # A fresh array either way: F32 tensors would otherwise be views of the read-only memory map.
+        return np.array(values, dtype=np.float32, order="C", copy=True)
+
+    def load_tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            if "tokenizer.ggml.tokens" not in self._reader.fields:
+                raise AccelError(f"{self.path}: the GGUF file carries no tokenizer")
+            from transformers import AutoTokenizer
+
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(
+                    str(self.path.parent), gguf_file=self.path.name
+                )
+            except Exception as err:
+                raise AccelError(f"{self.path}: cannot build the tokenizer: {one_line(err)}") from err
+        return self._tokenizer
+
+    def save_support_files(self, out_dir: Path) -> None:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.json").write_bytes(config_json_bytes(self.config))
+        self.load_tokenizer().save_pretrained(str(out_dir))
+
+    def close(self) -> None:
+        self._tensors = {}
+        self._reader = None

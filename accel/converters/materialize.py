@@ -1,0 +1,130 @@
+"""Turn a config dict and a set of float tensors into a transformers model, without a throw-away random init.
+
+Parameters are created on the meta device (buffers such as rotary frequencies are computed for real), then
+each is replaced by the given tensor. Loading is strict: a missing, unexpected or mis-shaped tensor is an
+AccelError.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from accel.converters.sources import one_line
+from accel.errors import AccelError
+
+# Keys of a config.json that describe the file, not the model.
+_NOT_MODEL_KEYS = ("model_type", "accel", "transformers_version", "torch_dtype", "dtype", "_name_or_path")
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Parameters registered in this block move to the meta device; buffers stay where they are built."""
+    original = torch.nn.Module.register_parameter
+
+    def register_parameter(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def _as_float32(name: str, value: np.ndarray | torch.Tensor) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    if isinstance(value, np.ndarray):
+        array = np.ascontiguousarray(value, dtype=np.float32)
+        if not array.flags.writeable:
+            array = array.copy()
+        return torch.from_numpy(array)
+    raise AccelError(f"tensor {name!r} is a {type(value).__name__}, not a numpy array or torch tensor")
+
+
+def _empty_model(config: Mapping[str, Any], attn_implementation: str | None) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str):
+        raise AccelError('the model config has no "model_type"')
+    kwargs = {k: v for k, v in config.items() if k not in _NOT_MODEL_KEYS}
+    try:
+        hf_config = AutoConfig.for_model(model_type, **kwargs)
+    except (ValueError, KeyError) as err:
+        raise AccelError(f"model type {model_type!r} is not known to transformers: {one_line(err)}") from err
+    extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    try:
+        with _parameters_on_meta():
+            return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, **extra)
+    except ValueError as err:
+        raise AccelError(f"cannot build a causal LM of type {model_type!r}: {one_line(err)}") from err
+
+
+def build_transformers_model(
+    config: Mapping[str, Any],
+    tensors: Mapping[str, np.ndarray | torch.Tensor],
+    *,
+    attn_implementation: str | None = None,
+) -> torch.nn.Module:
+    """A float32 `AutoModelForCausalLM` in eval mode holding exactly `tensors` (HF names).
+
+    Tied parameters (lm_head.weight with tie_word_embeddings) need only one of their names; if several are
+    given they must be equal. float32 inputs are used in place (no copy), others are converted; parameters
+    have requires_grad False.
+    """
+    model = _empty_model(config, attn_implementation)
+
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    param_names = {name for names in groups.values() for name in names}
+    persistent_buffers = [n for n in model.state_dict(keep_vars=True) if n not in param_names]
+
+    unexpected = sorted(set(tensors) - param_names - set(persistent_buffers))
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise AccelError(
+            f"unexpected tensor {unexpected[0]!r}{more}: a {config['model_type']} model has no such parameter"
+        )
+
+    for names in sorted(groups.values()):
+        given = [n for n in names if n in tensors]
+        if not given:
+            raise AccelError(f"missing tensor {names[0]!r}: the model needs it and it was not given")
+        expected = tuple(model.get_parameter(names[0]).shape)
+        value = _as_float32(given[0], tensors[given[0]])
+        for name in given:
+            shape = tuple(tensors[name].shape)
+            if shape != expected:
+                raise AccelError(f"tensor {name!r} has shape {shape}, the model expects {expected}")
+        for other in given[1:]:
+            if not torch.equal(value, _as_float32(other, tensors[other])):
+                raise AccelError(f"tensors {given[0]!r} and {other!r} are tied in this model but differ")
+        param = torch.nn.Parameter(value, requires_grad=False)
+        for name in names:
+            module_name, _, leaf = name.rpartition(".")
+            model.get_submodule(module_name)._parameters[leaf] = param
+
+    for name in persistent_buffers:
+        if name in tensors:
+            buffer = model.get_buffer(name)
+            value = _as_float32(name, tensors[name])
+            if tuple(value.shape) != tuple(buffer.shape):
+                raise AccelError(
+                    f"tensor {name!r} has shape {tuple(value.shape)}, the model expects {tuple(buffer.shape)}"
+                )
+            buffer.copy_(value.to(buffer.dtype))
+
+    still_meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if still_meta:
+        raise AccelError(f"tensor {still_meta[0]!r} was not loaded")
+    model.config.dtype = torch.float32
+    return model.eval()

@@ -1,0 +1,45 @@
+"""Evaluation and calibration text: read, validate, tokenize into non-overlapping windows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from accel.errors import AccelError
+
+
+def read_text(path: Path) -> str:
+    """A UTF-8 text file with some non-whitespace content, or a one-line AccelError."""
+    path = Path(path)
+    if not path.is_file():
+        raise AccelError(f"--data {path}: no such file")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise AccelError(f"--data {path}: not UTF-8 text (bad byte at offset {exc.start})") from None
+    if not text.strip():
+        raise AccelError(f"--data {path}: the file is empty")
+    return text
+
+
+def token_windows(tokenizer, text: str, seq_len: int, windows: int | None) -> np.ndarray:
+    """Token ids as (n, seq_len) int64: consecutive non-overlapping windows from the start of the text."""
+    if seq_len < 2:
+        raise AccelError(f"--seq-len must be at least 2, got {seq_len}")
+    if windows is not None and windows < 1:
+        raise AccelError(f"--windows must be at least 1, got {windows}")
+    ids = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+    available = ids.size // seq_len
+    if available == 0:
+        raise AccelError(f"the text has {ids.size} tokens, fewer than one window of --seq-len {seq_len}")
+    n = available if windows is None else min(windows, available)
+    return ids[: n * seq_len].reshape(n, seq_len)
+
+
+def pydoc_text() -> str:
+    """The development corpus: every CPython's pydoc_data.topics (about 465 KB of English), in a fixed order."""
+    from pydoc_data import topics
+
+    return "\n\n".join(topics.topics[k] for k in sorted(topics.topics))

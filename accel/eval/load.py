@@ -1,0 +1,66 @@
+"""Load what `eval` and `verify` compare: a source model, or an accel OUT_DIR whose weights are decoded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from accel.errors import AccelError
+from accel.formats.artifact import MANIFEST_FILE, Artifact
+from accel.progress import SILENT, Progress
+
+
+def is_accel_output(spec: str | Path) -> bool:
+    return Path(spec).is_dir() and (Path(spec) / MANIFEST_FILE).is_file()
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # a transformers causal LM, float32, eval mode
+    tokenizer: Any
+    config: dict[str, Any]
+    source_kind: str  # "accel" or "source"
+
+
+def load_decoded_tensors(art: Artifact, progress: Progress = SILENT) -> dict[str, np.ndarray]:
+    progress.stage("decoding weights", len(art.names))
+    tensors = {}
+    for name in art.names:
+        if art.entry(name).role in ("quantized", "kept"):
+            tensors[name] = art.decode(name)
+        progress.advance()
+    progress.close()
+    return tensors
+
+
+def load_causal_lm(spec: str | Path, progress: Progress = SILENT) -> LoadedModel:
+    """A transformers model for a source model spec or an accel OUT_DIR (weights decoded to float32)."""
+    from transformers import AutoTokenizer
+
+    from accel.converters import build_transformers_model, open_model
+
+    if is_accel_output(spec):
+        art = Artifact(Path(spec))
+        if not isinstance(art.config, dict):
+            raise AccelError(f"{spec}: config.json is missing, so the model cannot be built")
+        config = {k: v for k, v in art.config.items() if k != "accel"}
+        tensors = load_decoded_tensors(art, progress)
+        model = build_transformers_model(config, tensors)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(spec))
+        except (OSError, ValueError) as exc:
+            raise AccelError(f"{spec}: cannot load its tokenizer ({str(exc).splitlines()[0]})") from None
+        return LoadedModel(model, tokenizer, config, "accel")
+    with open_model(spec) as source:
+        names = source.tensor_names()
+        progress.stage("loading weights", len(names))
+        tensors = {}
+        for name in names:
+            tensors[name] = source.load_tensor(name)
+            progress.advance()
+        progress.close()
+        model = build_transformers_model(source.config, tensors)
+        return LoadedModel(model, source.load_tokenizer(), dict(source.config), "source")

@@ -1,0 +1,151 @@
+"""An accel weights set on disk: one container file, or shards with an index, read back as one artifact."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from accel.errors import FormatError
+from accel.formats.atomic import atomic_write_text
+from accel.formats.container import AccelFile, write_file
+from accel.formats.tensor import TensorEntry
+
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+MANIFEST_FILE = "accel.json"
+DEFAULT_SHARD_BYTES = 2 * 1024**3
+
+Encoded = tuple[TensorEntry, dict[str, np.ndarray]]
+
+
+def write_weights(out_dir: Path, encoded: list[Encoded], max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                  extra: dict[str, Any] | None = None) -> list[Path]:
+    """Write logical tensors into one file, or into shards of at most max_shard_bytes with an HF-style index.
+
+    All parts of a logical tensor stay in one shard, so every shard is a self-describing container.
+    """
+    encoded = sorted(encoded, key=lambda e: e[0].name)
+    shards: list[list[Encoded]] = [[]]
+    size = 0
+    for item in encoded:
+        nbytes = sum(a.nbytes for a in item[1].values())
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += nbytes
+    if len(shards) == 1:
+        path = Path(out_dir) / WEIGHTS_FILE
+        write_file(path, [e for e, _ in shards[0]], _merge(shards[0]), extra)
+        return [path]
+    paths, weight_map, total = [], {}, 0
+    for i, shard in enumerate(shards):
+        path = Path(out_dir) / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        arrays = _merge(shard)
+        write_file(path, [e for e, _ in shard], arrays, extra if i == 0 else None)
+        paths.append(path)
+        total += sum(a.nbytes for a in arrays.values())
+        weight_map.update({name: path.name for name in arrays})
+    index = {"metadata": {"total_size": total, "format": "accel"}, "weight_map": dict(sorted(weight_map.items()))}
+    atomic_write_text(Path(out_dir) / INDEX_FILE, json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return paths
+
+
+def _merge(items: list[Encoded]) -> dict[str, np.ndarray]:
+    merged: dict[str, np.ndarray] = {}
+    for _, arrays in items:
+        merged.update(arrays)
+    return merged
+
+
+@dataclass
+class TensorReport:
+    name: str
+    codec: str
+    layout: str
+    role: str
+    shape: tuple[int, ...]
+    bytes: int
+    bits_per_weight: float
+    params: dict[str, Any]
+
+
+class Artifact:
+    """Read side: an OUT_DIR (weights file or shards + index, accel.json, config.json) or one container file."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        if not self.path.exists():
+            raise FormatError(f"{self.path}: no such file or directory")
+        self.root = self.path if self.path.is_dir() else self.path.parent
+        self.files = [AccelFile(p) for p in self._weight_files()]
+        self.owner: dict[str, AccelFile] = {}
+        for f in self.files:
+            for name in f.entries:
+                if name in self.owner:
+                    raise FormatError(f"{f.path.name}: tensor '{name}' also appears in {self.owner[name].path.name}")
+                self.owner[name] = f
+        self.manifest = self._read_json(MANIFEST_FILE) if self.path.is_dir() else None
+        self.config = self._read_json("config.json") if self.path.is_dir() else None
+        self.extra = {k: v for k, v in self.files[0].doc.items()
+                      if k not in ("format", "version", "tensors", "checksums")} if self.files else {}
+
+    def _weight_files(self) -> list[Path]:
+        if self.path.is_file():
+            return [self.path]
+        index = self.path / INDEX_FILE
+        if index.exists():
+            doc = self._read_json(INDEX_FILE)
+            weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise FormatError(f"{index}: no weight_map")
+            shards = sorted(set(weight_map.values()))
+            for shard in shards:
+                if not isinstance(shard, str) or "/" in shard or not (self.path / shard).is_file():
+                    raise FormatError(f"{index}: shard {shard!r} is missing")
+            return [self.path / s for s in shards]
+        single = self.path / WEIGHTS_FILE
+        if not single.is_file():
+            raise FormatError(f"{self.path}: no {WEIGHTS_FILE} or {INDEX_FILE} (not an accel output directory)")
+        return [single]
+
+    def _read_json(self, name: str) -> Any:
+        path = self.root / name
+        if not path.exists():
+            return None
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise FormatError(f"{path}: not valid JSON ({exc.__class__.__name__})") from None
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self.owner)
+
+    def entry(self, name: str) -> TensorEntry:
+        return self.owner[name].entries[name]
+
+    def decode(self, name: str, check: bool = True) -> np.ndarray:
+        return self.owner[name].decode(name, check=check)
+
+    def report(self, name: str) -> TensorReport:
+        entry, nbytes = self.entry(name), self.owner[name].stored_bytes(name)
+        return TensorReport(name=name, codec=entry.codec, layout=entry.layout, role=entry.role, shape=entry.shape,
+                            bytes=nbytes, bits_per_weight=8.0 * nbytes / max(entry.numel, 1), params=entry.params)
+
+    def bits_per_weight(self, role: str = "quantized") -> float | None:
+        """Exact bits per weight over the logical tensors of one role: every stored byte counted."""
+        reports = [self.report(n) for n in self.names if self.entry(n).role == role]
+        weights = sum(int(np.prod(r.shape, dtype=np.int64)) for r in reports)
+        return 8.0 * sum(r.bytes for r in reports) / weights if weights else None
+
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()

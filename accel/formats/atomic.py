@@ -1,0 +1,90 @@
+"""Atomic file and directory output: temporary name, fsync, rename; nothing partial is ever left behind."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from accel.errors import AccelError
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Call write(f) on a temporary file beside `path`, fsync it, then rename it over `path`."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; outputs get ordinary permissions
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def check_output_dir(out: Path, force: bool, inputs: list[Path] = ()) -> None:
+    """Refuse an existing output without --force, and any output that is or holds an input."""
+    out = Path(out).absolute()
+    for source in inputs:
+        source = Path(source).absolute()
+        if source == out or out in source.parents:
+            raise AccelError(f"output {out} would overwrite the input {source}; choose another --out")
+    if out.exists() and not force:
+        raise AccelError(f"output {out} already exists; pass --force to replace it")
+    if out.exists() and not out.is_dir():
+        raise AccelError(f"output {out} exists and is not a directory")
+    if not out.parent.is_dir():
+        raise AccelError(f"the parent directory of {out} does not exist")
+
+
+@contextlib.contextmanager
+def output_dir(out: Path, force: bool = False, inputs: list[Path] = ()) -> Iterator[Path]:
+    """Yield a fresh temporary directory that becomes `out` only when the block succeeds."""
+    out = Path(out).absolute()
+    check_output_dir(out, force, inputs)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    os.chmod(tmp, 0o777 & ~_umask())
+    try:
+        yield tmp
+        for child in tmp.iterdir():
+            if child.is_file():
+                with open(child, "rb") as f:
+                    os.fsync(f.fileno())
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+        fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,289 @@
+"""The codec registry: one small class per codec, pure array-in/array-out encode and decode, size accounting.
+
+A codec turns a float tensor into integer codes (stored through a layout) plus side arrays (scales, palettes, ...).
+Codec parameters are JSON values kept in the container document.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from accel.errors import FormatError
+from accel.formats import dtypes
+
+
+@dataclass
+class Encoded:
+    """What a codec produced for one tensor."""
+
+    params: dict[str, Any]
+    codes: np.ndarray | None = None  # integer codes in [0, levels), flat
+    side: dict[str, np.ndarray] = field(default_factory=dict)  # side arrays, already in their stored dtype
+
+
+@dataclass(frozen=True)
+class SidePart:
+    shape: tuple[int, ...]
+    dtype: str  # safetensors dtype name
+
+
+class Codec:
+    """Base class; subclasses register themselves under `name`."""
+
+    name: ClassVar[str]
+    registry: ClassVar[dict[str, Codec]] = {}
+
+    def __init_subclass__(cls, name: str, **kw):
+        super().__init_subclass__(**kw)
+        cls.name = name
+        Codec.registry[name] = cls()
+
+    def encode(self, x: np.ndarray, **params) -> Encoded:
+        raise NotImplementedError
+
+    def decode(self, codes: np.ndarray | None, side: dict[str, np.ndarray], params: dict, shape: tuple) -> np.ndarray:
+        raise NotImplementedError
+
+    def levels(self, params: dict) -> int:
+        """Number of code levels; 0 when the codec stores no codes."""
+        return 0
+
+    def code_count(self, params: dict, shape: tuple[int, ...]) -> int:
+        return int(np.prod(shape, dtype=np.int64))
+
+    def side_parts(self, params: dict, shape: tuple[int, ...]) -> dict[str, SidePart]:
+        return {}
+
+    def default_layout(self, params: dict) -> str:
+        levels = self.levels(params)
+        if levels == 0:
+            return "dense"
+        return "packed" if levels & (levels - 1) == 0 else "base"
+
+    def check_params(self, params: dict, shape: tuple[int, ...]) -> None:
+        """Raise FormatError when stored parameters are not ones this codec can have written."""
+
+
+def get_codec(name: str) -> Codec:
+    try:
+        return Codec.registry[name]
+    except KeyError:
+        raise FormatError(f"unknown codec '{name}' (known: {', '.join(sorted(Codec.registry))})") from None
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise FormatError(message)
+
+
+def _int_param(params: dict, key: str, lo: int, hi: int) -> int:
+    value = params.get(key)
+    _require(isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi,
+             f"codec parameter {key}={value!r} is not an integer in [{lo}, {hi}]")
+    return value
+
+
+def _rows(shape: tuple[int, ...]) -> tuple[int, int]:
+    """A tensor is grouped along its last axis: (rows, columns)."""
+    if len(shape) == 0:
+        return 1, 1
+    cols = shape[-1]
+    return (int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1), cols
+
+
+class RawCodec(Codec, name="raw"):
+    """Floats stored as they are, in fp32, fp16 or bf16."""
+
+    def encode(self, x, dtype: str = "float32"):
+        if dtype not in dtypes.FLOAT_STORAGE:
+            raise ValueError(f"raw codec dtype must be one of {sorted(dtypes.FLOAT_STORAGE)}, got {dtype!r}")
+        return Encoded(params={"dtype": dtype}, side={"values": dtypes.to_storage(x, dtype)})
+
+    def check_params(self, params, shape):
+        _require(params.get("dtype") in dtypes.FLOAT_STORAGE, f"raw codec dtype {params.get('dtype')!r} is unknown")
+
+    def side_parts(self, params, shape):
+        return {"values": SidePart(tuple(shape), dtypes.FLOAT_STORAGE[params["dtype"]])}
+
+    def decode(self, codes, side, params, shape):
+        return dtypes.from_storage(side["values"], params["dtype"]).reshape(shape)
+
+
+def _scale_dtype(*arrays: np.ndarray) -> str:
+    """fp16 side data unless a value would overflow it."""
+    finite_max = max((float(np.max(np.abs(a))) if a.size else 0.0) for a in arrays)
+    return "float16" if finite_max < 65000.0 else "float32"
+
+
+class AffineCodec(Codec, name="affine"):
+    """Uniform grid of L levels per group of the last axis: x = offset + q*scale, or (q-(L-1)/2)*scale if symmetric."""
+
+    def levels(self, params):
+        return params["levels"]
+
+    def check_params(self, params, shape):
+        _int_param(params, "levels", 2, 256)
+        _int_param(params, "group", 1, 1 << 30)
+        _require(isinstance(params.get("symmetric"), bool), "affine codec needs a boolean 'symmetric'")
+        _require(params.get("scale_dtype") in ("float16", "float32"), "affine scale_dtype must be float16 or float32")
+
+    def side_parts(self, params, shape):
+        rows, cols = _rows(shape)
+        groups = -(-cols // params["group"])
+        part = SidePart((rows, groups), dtypes.FLOAT_STORAGE[params["scale_dtype"]])
+        return {"scale": part} if params["symmetric"] else {"scale": part, "offset": part}
+
+    @staticmethod
+    def _grouped(x: np.ndarray, group: int) -> np.ndarray:
+        """(rows, groups, group) float64 view; a short last group is padded with its own last value."""
+        rows, cols = _rows(x.shape)
+        flat = np.asarray(x, dtype=np.float64).reshape(rows, cols)
+        groups = -(-cols // group)
+        pad = groups * group - cols
+        if pad:
+            flat = np.concatenate([flat, np.repeat(flat[:, -1:], pad, axis=1)], axis=1)
+        return flat.reshape(rows, groups, group)
+
+    def encode(self, x, levels: int = 16, group: int = 64, symmetric: bool = False):
+        if not 2 <= levels <= 256:
+            raise ValueError(f"affine levels must be 2..256, got {levels}")
+        if group < 1:
+            raise ValueError(f"affine group must be positive, got {group}")
+        rows, cols = _rows(x.shape)
+        g = self._grouped(x, group)
+        top = levels - 1
+        if symmetric:
+            half = top / 2.0
+            scale = np.abs(g).max(axis=2) / half
+            sdt = _scale_dtype(scale)
+            scale_s = dtypes.to_storage(scale, sdt)
+            s = dtypes.from_storage(scale_s, sdt).astype(np.float64)[..., None]
+            q = np.rint(np.divide(g, s, out=np.zeros_like(g), where=s > 0) + half)
+            side = {"scale": scale_s}
+        else:
+            lo = g.min(axis=2)
+            scale = (g.max(axis=2) - lo) / top
+            sdt = _scale_dtype(scale, lo)
+            scale_s, lo_s = dtypes.to_storage(scale, sdt), dtypes.to_storage(lo, sdt)
+            s = dtypes.from_storage(scale_s, sdt).astype(np.float64)[..., None]
+            o = dtypes.from_storage(lo_s, sdt).astype(np.float64)[..., None]
+            q = np.rint(np.divide(g - o, s, out=np.zeros_like(g), where=s > 0))
+            side = {"scale": scale_s, "offset": lo_s}
+        codes = np.clip(q, 0, top).astype(np.uint8).reshape(rows, -1)[:, :cols].reshape(-1)
+        params = {"levels": levels, "group": group, "symmetric": symmetric, "scale_dtype": sdt}
+        return Encoded(params=params, codes=codes, side=side)
+
+    def decode(self, codes, side, params, shape):
+        rows, cols = _rows(shape)
+        group, top = params["group"], params["levels"] - 1
+        groups = -(-cols // group)
+        q = np.zeros((rows, groups * group), dtype=np.float32)
+        q[:, :cols] = codes.reshape(rows, cols)
+        q = q.reshape(rows, groups, group)
+        scale = dtypes.from_storage(side["scale"], params["scale_dtype"])[..., None]
+        if params["symmetric"]:
+            out = (q - np.float32(top / 2.0)) * scale
+        else:
+            out = q * scale + dtypes.from_storage(side["offset"], params["scale_dtype"])[..., None]
+        return out.reshape(rows, -1)[:, :cols].reshape(shape)
+
+
+class UintCodec(Codec, name="uint"):
+    """Unsigned integers of 1..8 bits, stored losslessly (maps, masks, indices)."""
+
+    def levels(self, params):
+        return 1 << params["bits"]
+
+    def check_params(self, params, shape):
+        _int_param(params, "bits", 1, 8)
+
+    def encode(self, x, bits: int = 8):
+        if not 1 <= bits <= 8:
+            raise ValueError(f"uint bits must be 1..8, got {bits}")
+        x = np.asarray(x)
+        if x.size and (x.dtype.kind not in "ui" or x.min() < 0 or int(x.max()) >= 1 << bits):
+            raise ValueError(f"uint{bits} codec takes integers in [0, {1 << bits})")
+        return Encoded(params={"bits": bits}, codes=x.reshape(-1).astype(np.uint8))
+
+    def decode(self, codes, side, params, shape):
+        return codes.astype(np.uint8).reshape(shape)
+
+
+class LevelsCodec(Codec, name="levels"):
+    """Integers in [0, L) for any L in 2..256, stored losslessly (base-L packed by default)."""
+
+    def levels(self, params):
+        return params["levels"]
+
+    def check_params(self, params, shape):
+        _int_param(params, "levels", 2, 256)
+
+    def encode(self, x, levels: int = 3):
+        if not 2 <= levels <= 256:
+            raise ValueError(f"levels must be 2..256, got {levels}")
+        x = np.asarray(x)
+        if x.size and (x.dtype.kind not in "ui" or x.min() < 0 or int(x.max()) >= levels):
+            raise ValueError(f"levels codec takes integers in [0, {levels})")
+        return Encoded(params={"levels": levels}, codes=x.reshape(-1).astype(np.uint8))
+
+    def decode(self, codes, side, params, shape):
+        return codes.astype(np.uint8).reshape(shape)
+
+
+class LutCodec(Codec, name="lut"):
+    """Palette codes: per group of the last axis, L fp16 values found by 1-D k-means; codes index the palette."""
+
+    def levels(self, params):
+        return params["levels"]
+
+    def check_params(self, params, shape):
+        _int_param(params, "levels", 2, 256)
+        _int_param(params, "group", 1, 1 << 30)
+
+    def side_parts(self, params, shape):
+        rows, cols = _rows(shape)
+        groups = -(-cols // params["group"])
+        return {"palette": SidePart((rows, groups, params["levels"]), "F16")}
+
+    def encode(self, x, levels: int = 16, group: int = 64, iterations: int = 16):
+        if not 2 <= levels <= 256:
+            raise ValueError(f"lut levels must be 2..256, got {levels}")
+        rows, cols = _rows(x.shape)
+        grouped = AffineCodec._grouped(x, group)
+        palettes, codes = [], []
+        for start in range(0, rows, 128):  # row chunks bound the (rows, groups, group, levels) distance array
+            p, c = self._kmeans(grouped[start : start + 128], levels, iterations)
+            palettes.append(p)
+            codes.append(c)
+        palette16 = np.concatenate(palettes)
+        codes = np.concatenate(codes).reshape(rows, -1)[:, :cols].reshape(-1)
+        return Encoded(params={"levels": levels, "group": group}, codes=codes, side={"palette": palette16})
+
+    @staticmethod
+    def _kmeans(g: np.ndarray, levels: int, iterations: int) -> tuple[np.ndarray, np.ndarray]:
+        # start from evenly spaced quantiles so the result is deterministic
+        palette = np.quantile(g, (np.arange(levels) + 0.5) / levels, axis=2).transpose(1, 2, 0)
+        for _ in range(iterations):
+            assign = np.abs(g[..., :, None] - palette[..., None, :]).argmin(axis=-1)
+            onehot = assign[..., None] == np.arange(levels)
+            counts = onehot.sum(axis=2)
+            sums = (onehot * g[..., None]).sum(axis=2)
+            palette = np.where(counts > 0, sums / np.maximum(counts, 1), palette)
+        palette16 = np.sort(palette, axis=-1).astype(np.float16)
+        p = palette16.astype(np.float64)
+        codes = np.abs(g[..., :, None] - p[..., None, :]).argmin(axis=-1).astype(np.uint8)
+        return palette16, codes
+
+    def decode(self, codes, side, params, shape):
+        rows, cols = _rows(shape)
+        group = params["group"]
+        groups = -(-cols // group)
+        c = np.zeros((rows, groups * group), dtype=np.int64)
+        c[:, :cols] = codes.reshape(rows, cols)
+        c = c.reshape(rows, groups, group)
+        palette = side["palette"].astype(np.float32)
+        out = np.take_along_axis(palette, c, axis=2)
+        return out.reshape(rows, -1)[:, :cols].reshape(shape)

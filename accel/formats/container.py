@@ -1,0 +1,215 @@
+"""One accel container file: a valid safetensors file whose `__metadata__` key `accel` holds the JSON document.
+
+Writers are atomic and deterministic; the reader validates the header, every offset and every document entry
+before it trusts any of them (docs/format.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from accel.errors import FormatError
+from accel.formats.atomic import atomic_write
+from accel.formats.dtypes import NUMPY_OF
+from accel.formats.tensor import TensorEntry, decode_parts, storage_dtype_of
+
+FORMAT_NAME = "accel"
+FORMAT_VERSION = 1
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+_ALIGN = 8
+
+
+def sha256_hex(data: memoryview | bytes | np.ndarray) -> str:
+    return hashlib.sha256(memoryview(data).cast("B") if not isinstance(data, bytes) else data).hexdigest()
+
+
+def write_file(path: Path, entries: list[TensorEntry], arrays: dict[str, np.ndarray],
+               extra: dict[str, Any] | None = None) -> int:
+    """Write entries (and their stored arrays) as one container; returns the file size. Atomic, deterministic."""
+    dtype_of: dict[str, str] = {}
+    for entry in entries:
+        expected = entry.expected_parts()
+        if set(expected) != set(entry.parts):
+            raise ValueError(f"{entry.name}: parts {sorted(entry.parts)} differ from expected {sorted(expected)}")
+        for part, stored in entry.parts.items():
+            shape, dtype = expected[part]
+            array = arrays[stored]
+            if tuple(array.shape) != tuple(shape):
+                raise ValueError(f"{stored}: shape {array.shape} differs from the codec's {shape}")
+            dtype_of[stored] = storage_dtype_of(array, dtype)
+            if dtype_of[stored] != dtype:
+                raise ValueError(f"{stored}: dtype {dtype_of[stored]} differs from the codec's {dtype}")
+    names = sorted(dtype_of, key=lambda n: (-arrays[n].dtype.itemsize, n))  # widest first keeps alignment
+    header: dict[str, Any] = {}
+    offset = 0
+    checksums = {}
+    for name in names:
+        a = np.ascontiguousarray(arrays[name])
+        header[name] = {"dtype": dtype_of[name], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        checksums[name] = sha256_hex(a.reshape(-1).view(np.uint8))
+        offset += a.nbytes
+    doc = {"format": FORMAT_NAME, "version": FORMAT_VERSION,
+           "tensors": {e.name: e.to_json() for e in sorted(entries, key=lambda e: e.name)},
+           "checksums": checksums}
+    if extra:
+        doc.update(extra)
+    header["__metadata__"] = {"format": "pt", FORMAT_NAME: json.dumps(doc, sort_keys=True, separators=(",", ":"))}
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-(len(head)) % _ALIGN)
+
+    def body(f):
+        f.write(struct.pack("<Q", len(head)))
+        f.write(head)
+        for name in names:
+            f.write(np.ascontiguousarray(arrays[name]).reshape(-1).view(np.uint8).data)
+
+    atomic_write(path, body)
+    return 8 + len(head) + offset
+
+
+class AccelFile:
+    """A validated, memory-mapped reader of one container file."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        try:
+            size = self.path.stat().st_size
+            with open(self.path, "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        except OSError as exc:
+            raise FormatError(f"{self.path}: cannot read ({exc.strerror})") from None
+        self.size = size
+        self.stored: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+        self.doc = self._parse_header()
+        self.entries = self._parse_entries()
+
+    def _fail(self, message: str) -> FormatError:
+        return FormatError(f"{self.path.name}: {message}")
+
+    def _parse_header(self) -> dict[str, Any]:
+        if self.size < 8:
+            raise self._fail(f"truncated: {self.size} bytes is shorter than the 8-byte header length")
+        (n,) = struct.unpack("<Q", self._map[:8])
+        if n > MAX_HEADER_BYTES or 8 + n > self.size:
+            raise self._fail(f"truncated or corrupt: header length {n} runs past the file's {self.size} bytes")
+        try:
+            header = json.loads(bytes(self._map[8 : 8 + n]).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise self._fail(f"header is not valid JSON ({exc.__class__.__name__})") from None
+        if not isinstance(header, dict):
+            raise self._fail("header is not a JSON object")
+        meta = header.pop("__metadata__", None)
+        data_start, data_size = 8 + n, self.size - 8 - n
+        spans = []
+        for name, info in header.items():
+            try:
+                dtype, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+            except (KeyError, TypeError, ValueError):
+                raise self._fail(f"tensor '{name}': malformed header entry") from None
+            if dtype not in NUMPY_OF:
+                raise self._fail(f"tensor '{name}': unknown dtype {dtype!r}")
+            if not all(isinstance(d, int) and d >= 0 for d in shape) or not all(
+                    isinstance(v, int) for v in (start, end)):
+                raise self._fail(f"tensor '{name}': malformed shape or offsets")
+            if not 0 <= start <= end <= data_size:
+                raise self._fail(f"tensor '{name}': data offsets [{start}, {end}] lie past the end of the file "
+                                 f"(data section is {data_size} bytes; truncated?)")
+            if end - start != int(np.prod(shape, dtype=np.int64)) * NUMPY_OF[dtype].itemsize:
+                raise self._fail(f"tensor '{name}': byte span does not match its shape {list(shape)} and {dtype}")
+            self.stored[name] = (dtype, shape, data_start + start, data_start + end)
+            spans.append((start, end, name))
+        spans.sort()
+        cursor = 0
+        for start, end, name in spans:
+            if start != cursor:
+                raise self._fail(f"tensor '{name}': data overlaps another tensor or leaves a hole")
+            cursor = end
+        if cursor != data_size:
+            raise self._fail(f"{data_size - cursor} bytes after the last tensor (corrupt or truncated)")
+        if not isinstance(meta, dict) or FORMAT_NAME not in meta:
+            raise self._fail("not an accel file (no 'accel' document in __metadata__)")
+        try:
+            doc = json.loads(meta[FORMAT_NAME])
+        except (TypeError, json.JSONDecodeError):
+            raise self._fail("the accel document is not valid JSON") from None
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+            raise self._fail("the accel document does not name its format")
+        version = doc.get("version")
+        if not isinstance(version, int) or version < 1:
+            raise self._fail(f"format version {version!r} is not valid")
+        if version > FORMAT_VERSION:
+            raise self._fail(f"format version {version} is newer than this accel reads ({FORMAT_VERSION}); "
+                             "upgrade accel")
+        return doc
+
+    def _parse_entries(self) -> dict[str, TensorEntry]:
+        tensors = self.doc.get("tensors")
+        checksums = self.doc.get("checksums")
+        if not isinstance(tensors, dict) or not isinstance(checksums, dict):
+            raise self._fail("the accel document lacks its 'tensors' or 'checksums' table")
+        entries = {}
+        claimed = set()
+        for name in sorted(tensors):
+            entry = TensorEntry.from_json(name, tensors[name])
+            try:
+                expected = entry.expected_parts()
+            except FormatError as exc:
+                raise self._fail(str(exc)) from None
+            if set(expected) != set(entry.parts):
+                raise self._fail(f"tensor '{name}': parts {sorted(entry.parts)} do not match its codec "
+                                 f"({sorted(expected)})")
+            for part, stored in entry.parts.items():
+                if stored not in self.stored:
+                    raise self._fail(f"tensor '{name}': stored tensor '{stored}' is missing")
+                dtype, shape, _, _ = self.stored[stored]
+                if (tuple(shape), dtype) != (tuple(expected[part][0]), expected[part][1]):
+                    raise self._fail(f"tensor '{name}': part '{part}' has shape {list(shape)} {dtype}, expected "
+                                     f"{list(expected[part][0])} {expected[part][1]} (shape mismatch)")
+                if not isinstance(checksums.get(stored), str):
+                    raise self._fail(f"tensor '{name}': no checksum for stored tensor '{stored}'")
+                claimed.add(stored)
+            entries[name] = entry
+        unclaimed = sorted(set(self.stored) - claimed)
+        if unclaimed:
+            raise self._fail(f"stored tensor '{unclaimed[0]}' belongs to no logical tensor")
+        return entries
+
+    def raw_bytes(self, stored: str) -> memoryview:
+        _, _, start, end = self.stored[stored]
+        return memoryview(self._map)[start:end]
+
+    def read_stored(self, stored: str) -> np.ndarray:
+        dtype, shape, start, end = self.stored[stored]
+        count = (end - start) // NUMPY_OF[dtype].itemsize
+        return np.frombuffer(self._map, dtype=NUMPY_OF[dtype], count=count, offset=start).reshape(shape)
+
+    def checksum_ok(self, stored: str) -> bool:
+        return sha256_hex(self.raw_bytes(stored)) == self.doc["checksums"][stored]
+
+    def stored_bytes(self, name: str) -> int:
+        return sum(self.stored[s][3] - self.stored[s][2] for s in self.entries[name].parts.values())
+
+    def decode(self, name: str, check: bool = True) -> np.ndarray:
+        """Decode one logical tensor to float32 (integers for lossless integer codecs); checks its checksums."""
+        entry = self.entries[name]
+        if check:
+            for stored in entry.parts.values():
+                if not self.checksum_ok(stored):
+                    raise FormatError(f"{self.path.name}: tensor '{name}': checksum mismatch in stored tensor "
+                                      f"'{stored}' (the file is corrupt)")
+        return decode_parts(entry, {p: self.read_stored(s) for p, s in entry.parts.items()})
+
+    def close(self) -> None:
+        if isinstance(self._map, mmap.mmap):
+            try:
+                self._map.close()
+            except BufferError:  # arrays still view the map; it closes when they are gone
+                pass
+

@@ -1,0 +1,158 @@
+"""The container: valid safetensors, deterministic bytes, sharding, and clean refusals of corrupt files."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from accel.errors import FormatError
+from accel.formats import AccelFile, Artifact, encode_tensor, write_file, write_weights
+from accel.formats.container import FORMAT_VERSION
+
+
+def _encoded(rng):
+    x = rng.standard_normal((6, 50)).astype(np.float32)
+    return [encode_tensor("a.weight", x, "affine", levels=16, group=16),
+            encode_tensor("b.weight", x[:, :7], "affine", levels=5, group=8, symmetric=True),
+            encode_tensor("norm.weight", x[0], "raw", role="kept", dtype="bfloat16")]
+
+
+def _write(path, rng):
+    items = _encoded(rng)
+    arrays = {k: v for _, a in items for k, v in a.items()}
+    write_file(path, [e for e, _ in items], arrays)
+    return path
+
+
+def _split(path):
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
+
+
+def _rewrite(path, header, data):
+    head = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(head)) + head + data)
+
+
+def _rewrite_doc(path, mutate):
+    header, data = _split(path)
+    doc = json.loads(header["__metadata__"]["accel"])
+    mutate(doc)
+    header["__metadata__"]["accel"] = json.dumps(doc)
+    _rewrite(path, header, data)
+
+
+def test_file_is_valid_safetensors_and_deterministic(tmp_path, rng):
+    a = _write(tmp_path / "a.safetensors", np.random.default_rng(5))
+    b = _write(tmp_path / "b.safetensors", np.random.default_rng(5))
+    assert a.read_bytes() == b.read_bytes()
+    with safe_open(a, "np") as f:
+        names = set(f.keys())
+        assert {"a.weight:codes", "norm.weight"} <= names
+        doc = json.loads(f.metadata()["accel"])
+    assert doc["format"] == "accel" and doc["version"] == FORMAT_VERSION
+
+
+def test_sharded_output_reads_back_like_one_file(tmp_path, rng):
+    items = _encoded(rng)
+    (tmp_path / "one").mkdir()
+    (tmp_path / "many").mkdir()
+    write_weights(tmp_path / "one", items)
+    paths = write_weights(tmp_path / "many", items, max_shard_bytes=100)
+    assert len(paths) == 3 and (tmp_path / "many" / "model.safetensors.index.json").exists()
+    one, many = Artifact(tmp_path / "one"), Artifact(tmp_path / "many")
+    assert one.names == many.names
+    for name in one.names:
+        assert np.array_equal(one.decode(name), many.decode(name))
+        assert one.report(name) == many.report(name)
+
+
+def test_truncated_file_is_refused(tmp_path, rng):
+    path = _write(tmp_path / "t.safetensors", rng)
+    raw = path.read_bytes()
+    for cut in (4, 100, len(raw) - 1):
+        path.write_bytes(raw[:cut])
+        with pytest.raises(FormatError, match="truncated|past|after the last"):
+            AccelFile(path)
+
+
+def test_header_offset_past_end_is_refused(tmp_path, rng):
+    path = _write(tmp_path / "t.safetensors", rng)
+    header, data = _split(path)
+    header["a.weight:codes"]["data_offsets"][1] += 10_000
+    _rewrite(path, header, data)
+    with pytest.raises(FormatError, match="a.weight:codes.*past the end"):
+        AccelFile(path)
+
+
+def test_flipped_byte_in_any_stored_tensor_is_named(tmp_path, rng):
+    path = _write(tmp_path / "t.safetensors", rng)
+    f = AccelFile(path)
+    spans = {name: (start, end) for name, (_, _, start, end) in f.stored.items()}
+    f.close()
+    clean = path.read_bytes()
+    for stored, (start, end) in spans.items():
+        corrupt = bytearray(clean)
+        corrupt[(start + end) // 2] ^= 0x01
+        path.write_bytes(bytes(corrupt))
+        f = AccelFile(path)
+        logical = next(n for n, e in f.entries.items() if stored in e.parts.values())
+        assert not f.checksum_ok(stored)
+        with pytest.raises(FormatError, match=f"'{logical}'.*checksum"):
+            f.decode(logical)
+
+
+@pytest.mark.parametrize("mutate,message", [
+    (lambda d: d["tensors"]["a.weight"].update(codec="wavelet"), "unknown codec 'wavelet'"),
+    (lambda d: d.update(version=FORMAT_VERSION + 1), "newer than this accel reads"),
+    (lambda d: d["tensors"]["a.weight"].update(layout="zigzag"), "unknown layout 'zigzag'"),
+    (lambda d: d["tensors"]["a.weight"].update(shape=[6, 51]), "shape mismatch"),
+    (lambda d: d["tensors"]["a.weight"]["params"].update(levels=1000), "levels=1000"),
+    (lambda d: d["tensors"]["a.weight"]["parts"].update(codes="gone:codes"), "'gone:codes' is missing"),
+    (lambda d: d["checksums"].pop("b.weight:codes"), "no checksum"),
+    (lambda d: d["tensors"].pop("b.weight"), "belongs to no logical tensor"),
+])
+def test_bad_document_is_refused_with_a_named_reason(tmp_path, rng, mutate, message):
+    path = _write(tmp_path / "t.safetensors", rng)
+    _rewrite_doc(path, mutate)
+    with pytest.raises(FormatError, match=message):
+        AccelFile(path)
+
+
+def test_missing_stored_tensor_is_refused(tmp_path, rng):
+    path = _write(tmp_path / "t.safetensors", rng)
+    header, data = _split(path)
+    start, end = header["b.weight:scale"]["data_offsets"]
+    del header["b.weight:scale"]
+    for info in header.values():
+        if "data_offsets" in info and info["data_offsets"][0] >= end:
+            info["data_offsets"] = [o - (end - start) for o in info["data_offsets"]]
+    _rewrite(path, header, data[:start] + data[end:])
+    with pytest.raises(FormatError, match="'b.weight:scale' is missing"):
+        AccelFile(path)
+
+
+def test_garbage_and_non_accel_files_are_refused(tmp_path):
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"\xff" * 64)
+    with pytest.raises(FormatError):
+        AccelFile(junk)
+    plain = tmp_path / "plain.safetensors"
+    from safetensors.numpy import save_file
+
+    save_file({"x": np.zeros(3, np.float32)}, plain)
+    with pytest.raises(FormatError, match="not an accel file"):
+        AccelFile(plain)
+
+
+def test_failed_write_leaves_nothing_behind(tmp_path, rng):
+    entry, arrays = encode_tensor("a", rng.standard_normal((4, 8)).astype(np.float32), "affine", levels=4)
+    arrays["a:codes"] = arrays["a:codes"][:-1]  # wrong size: the writer refuses before touching the disk
+    with pytest.raises(ValueError):
+        write_file(tmp_path / "x.safetensors", [entry], arrays)
+    assert list(tmp_path.iterdir()) == []

