@@ -30,7 +30,7 @@ demo: $(STAMP) $(DEMO_DATA)
 	$(BIN)/accel eval $(DEMO_DIR)/smollm2-rtn4 --data $(DEMO_DATA) --reference smollm2-135m --windows 8 --seq-len 256
 
 test: $(STAMP)
-	$(BIN)/ruff check accel tests bench
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
 clean:
