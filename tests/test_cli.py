@@ -194,3 +194,57 @@ def test_inspect_corrupt_file_is_one_line(capsys, rtn4, tmp_path):
 def test_json_error_object_for_ci(capsys, tmp_path):
     code, out, err = run(capsys, "inspect", tmp_path / "missing", "--json")
     assert code == 2 and json.loads(out) == {"ok": False, "error": err.strip().split("error: ", 1)[1]}
+
+
+def test_calibrate_then_gptq(capsys, tiny_llama, tmp_path, text_file):
+    calib = tmp_path / "calib"
+    c = run_json(capsys, "calibrate", tiny_llama, "--for", "weights", "--data", text_file, "--out", calib,
+                 "--samples", "4", "--seq-len", "32")
+    assert c["layers"] == 14 and c["hessians"] == 8 and c["tokens"] == 4 * 32
+    q = run_json(capsys, "quantize", tiny_llama, "--weights", "gptq3", "--calib", calib, "--out", tmp_path / "g3")
+    assert q["quantized_tensors"] == 14
+    assert run_json(capsys, "verify", tmp_path / "g3", "--reference", tiny_llama)["ok"]
+    code, _, err = run(capsys, "quantize", tiny_llama, "--weights", "gptq3", "--out", tmp_path / "nocalib")
+    assert_one_line_error(code, err, 2, "needs --calib")
+    other = make_tiny_llama(tmp_path / "wider", hidden=48)
+    capsys.readouterr()
+    code, _, err = run(capsys, "quantize", other, "--weights", "gptq2", "--calib", calib, "--out", tmp_path / "x")
+    assert_one_line_error(code, err, 2, "different model")
+    assert not (tmp_path / "x").exists()
+
+
+def _corrupt_header_offset(path):
+    from test_container import _rewrite, _split
+
+    header, data = _split(path)
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["data_offsets"][1] += 1 << 20
+    _rewrite(path, header, data)
+
+
+def _corrupt_doc(mutate):
+    def apply(path):
+        from test_container import _rewrite_doc
+
+        _rewrite_doc(path, mutate)
+    return apply
+
+
+@pytest.mark.parametrize("corrupt,message", [
+    (lambda p: p.write_bytes(p.read_bytes()[:-7]), "truncated"),
+    (_corrupt_header_offset, "past the end"),
+    (_corrupt_doc(lambda d: d["tensors"]["lm_head.weight"].update(codec="zstd")), "unknown codec 'zstd'"),
+    (_corrupt_doc(lambda d: d.update(version=99)), "format version 99 is newer"),
+    (_corrupt_doc(lambda d: d["tensors"]["model.norm.weight"].update(shape=[7])), "shape mismatch"),
+    (_corrupt_doc(lambda d: d["tensors"]["model.norm.weight"]["parts"].update(values="nope")), "'nope' is missing"),
+])
+def test_corrupt_outputs_are_one_line_errors(capsys, rtn4, tmp_path, corrupt, message):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(rtn4, broken)
+    corrupt(broken / "model.safetensors")
+    code, _, err = run(capsys, "inspect", broken)
+    assert_one_line_error(code, err, 2, message)
+    code, out, _ = run(capsys, "verify", broken, "--json")
+    assert code == 1 and message in json.loads(out)["errors"][0]

@@ -147,7 +147,9 @@ class AffineCodec(Codec, name="affine"):
             flat = np.concatenate([flat, np.repeat(flat[:, -1:], pad, axis=1)], axis=1)
         return flat.reshape(rows, groups, group)
 
-    def encode(self, x, levels: int = 16, group: int = 64, symmetric: bool = False):
+    def encode(self, x, levels: int = 16, group: int = 64, symmetric: bool = False,
+               scale: np.ndarray | None = None, offset: np.ndarray | None = None):
+        """Codes on the grid fitted to each group, or on a given grid (stored-dtype `scale` and `offset` arrays)."""
         if not 2 <= levels <= 256:
             raise ValueError(f"affine levels must be 2..256, got {levels}")
         if group < 1:
@@ -155,23 +157,22 @@ class AffineCodec(Codec, name="affine"):
         rows, cols = _rows(x.shape)
         g = self._grouped(x, group)
         top = levels - 1
+        if scale is None:
+            if symmetric:
+                scale = dtypes.to_storage(np.abs(g).max(axis=2) / (top / 2.0), _scale_dtype(np.abs(g).max(axis=2)))
+            else:
+                lo, step = g.min(axis=2), (g.max(axis=2) - g.min(axis=2)) / top
+                sdt = _scale_dtype(step, lo)
+                scale, offset = dtypes.to_storage(step, sdt), dtypes.to_storage(lo, sdt)
+        sdt = "float16" if scale.dtype == np.float16 else "float32"
+        s = dtypes.from_storage(scale, sdt).astype(np.float64)[..., None]
         if symmetric:
-            half = top / 2.0
-            scale = np.abs(g).max(axis=2) / half
-            sdt = _scale_dtype(scale)
-            scale_s = dtypes.to_storage(scale, sdt)
-            s = dtypes.from_storage(scale_s, sdt).astype(np.float64)[..., None]
-            q = np.rint(np.divide(g, s, out=np.zeros_like(g), where=s > 0) + half)
-            side = {"scale": scale_s}
+            q = np.rint(np.divide(g, s, out=np.zeros_like(g), where=s > 0) + top / 2.0)
+            side = {"scale": scale}
         else:
-            lo = g.min(axis=2)
-            scale = (g.max(axis=2) - lo) / top
-            sdt = _scale_dtype(scale, lo)
-            scale_s, lo_s = dtypes.to_storage(scale, sdt), dtypes.to_storage(lo, sdt)
-            s = dtypes.from_storage(scale_s, sdt).astype(np.float64)[..., None]
-            o = dtypes.from_storage(lo_s, sdt).astype(np.float64)[..., None]
+            o = dtypes.from_storage(offset, sdt).astype(np.float64)[..., None]
             q = np.rint(np.divide(g - o, s, out=np.zeros_like(g), where=s > 0))
-            side = {"scale": scale_s, "offset": lo_s}
+            side = {"scale": scale, "offset": offset}
         codes = np.clip(q, 0, top).astype(np.uint8).reshape(rows, -1)[:, :cols].reshape(-1)
         params = {"levels": levels, "group": group, "symmetric": symmetric, "scale_dtype": sdt}
         return Encoded(params=params, codes=codes, side=side)

@@ -22,6 +22,7 @@ class WeightSettings:
     group: int = 64
     layout: str | None = None
     seed: int = 0
+    hessians: Any = None  # accel.calibrate.hessians.HessianStore when --calib is given
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -35,7 +36,7 @@ class WeightMethod:
 
 WEIGHT_METHODS: dict[str, WeightMethod] = {}
 # methods of design.md §3 whose issue is still open: name -> issue number
-PLANNED_WEIGHT_METHODS = {name: 3 for name in ("leech2", "leech3", "leech4", "gptq2", "gptq3", "gptq4")}
+PLANNED_WEIGHT_METHODS = {name: 3 for name in ("leech2", "leech3", "leech4")}
 
 
 def register_weight_method(method: WeightMethod) -> WeightMethod:
@@ -44,6 +45,7 @@ def register_weight_method(method: WeightMethod) -> WeightMethod:
 
 
 def get_weight_method(name: str) -> WeightMethod:
+    import accel.quantize.gptq_affine  # noqa: F401  (registers gptq2..gptq4)
     import accel.quantize.rtn  # noqa: F401  (registers rtn2..rtn8)
 
     if name not in WEIGHT_METHODS and name in PLANNED_WEIGHT_METHODS:

@@ -62,7 +62,13 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
     _check_settings(settings)
     check_output_dir(Path(out), force)
     method = get_weight_method(settings.weights)
-    weight_settings = WeightSettings(group=settings.group, layout=settings.layout, seed=settings.seed)
+    hessians = None
+    if settings.calib is not None:
+        from accel.calibrate.hessians import HessianStore
+
+        hessians = HessianStore(Path(settings.calib))
+    weight_settings = WeightSettings(group=settings.group, layout=settings.layout, seed=settings.seed,
+                                     hessians=hessians)
     with open_model(model) as source:
         inputs = sorted({Path(p) for p in source.input_files})
         with output_dir(Path(out), force, inputs=inputs + [Path(model)]) as tmp:
@@ -91,10 +97,11 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
             summary = {e.name: {"codec": e.codec, "layout": e.layout, "role": e.role,
                                 "bytes": int(sum(a.nbytes for a in arrays.values()))} for e, arrays in encoded}
             del encoded
+            hashed = inputs + ([Path(settings.calib) / "calibration.json"] if settings.calib else [])
             manifest = {
                 "producer": f"accel {__version__}",
                 "source": str(model),
-                "inputs": {p.name: file_sha256(p) for p in inputs},
+                "inputs": {p.name: file_sha256(p) for p in hashed},
                 "settings": asdict(settings),
                 "tensors": summary,
             }

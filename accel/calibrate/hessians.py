@@ -1,0 +1,129 @@
+"""Layer-input Hessians H = E[x xᵀ] of every quantizable linear layer, recorded on real text.
+
+Layers that read the same input (q/k/v, gate/up) share one matrix; the calibration directory stores it once.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from accel import __version__
+from accel.errors import AccelError
+from accel.eval.data import read_text, token_windows
+from accel.formats.artifact import Artifact, write_weights
+from accel.formats.atomic import atomic_write_text, output_dir
+from accel.formats.tensor import encode_tensor
+from accel.progress import SILENT, Progress
+from accel.quantize.methods import is_quantizable
+
+CALIB_MANIFEST = "calibration.json"
+HESSIAN_DIR = "hessians"
+
+
+@dataclass(frozen=True)
+class CalibSettings:
+    samples: int = 64
+    seq_len: int = 512
+    seed: int = 0
+
+
+def pick_windows(tokenizer, text: str, settings: CalibSettings) -> np.ndarray:
+    """`samples` non-overlapping windows drawn (seeded) from the whole text, in text order."""
+    if settings.samples < 1:
+        raise AccelError(f"--samples must be at least 1, got {settings.samples}")
+    windows = token_windows(tokenizer, text, settings.seq_len, None)
+    if len(windows) <= settings.samples:
+        return windows
+    pick = np.sort(np.random.default_rng(settings.seed).choice(len(windows), settings.samples, replace=False))
+    return windows[pick]
+
+
+@torch.inference_mode()
+def collect_hessians(model: torch.nn.Module, windows: np.ndarray, progress: Progress = SILENT
+                     ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Mean x xᵀ over all tokens for each quantizable linear layer.
+
+    Returns (hessians keyed by the first weight name that reads each input, weight name -> key).
+    """
+    linears = {f"{name}.weight": mod for name, mod in model.named_modules()
+               if isinstance(mod, torch.nn.Linear) and is_quantizable(f"{name}.weight", tuple(mod.weight.shape))}
+    sums: dict[str, np.ndarray] = {}
+    key_of: dict[str, str] = {}
+    last: list = [None, None]  # (input tensor, key) of the previous call: q/k/v and gate/up run back to back
+
+    def hook_for(weight_name: str):
+        def hook(_module, args):
+            x = args[0]
+            if x is last[0]:
+                key_of.setdefault(weight_name, last[1])
+                return
+            key = key_of.setdefault(weight_name, weight_name)
+            last[0], last[1] = x, key
+            flat = x.reshape(-1, x.shape[-1]).float()
+            xtx = (flat.T @ flat).double().numpy()
+            sums[key] = sums[key] + xtx if key in sums else xtx
+        return hook
+
+    handles = [mod.register_forward_pre_hook(hook_for(name)) for name, mod in linears.items()]
+    try:
+        progress.stage("calibrating (Hessians)", len(windows))
+        for window in windows:
+            last[0] = None
+            model(input_ids=torch.from_numpy(np.ascontiguousarray(window))[None])
+            progress.advance()
+        progress.close()
+    finally:
+        for h in handles:
+            h.remove()
+    tokens = windows.size
+    return {k: v / tokens for k, v in sums.items()}, dict(sorted(key_of.items()))
+
+
+def calibrate_weights(model: str, data: Path, out: Path, settings: CalibSettings, force: bool = False,
+                      progress: Progress = SILENT) -> dict[str, Any]:
+    """`accel calibrate --for weights`: write the Hessians of every quantizable layer into out/hessians."""
+    from accel.eval.load import load_causal_lm
+    from accel.quantize.pipeline import file_sha256
+
+    text = read_text(data)
+    loaded = load_causal_lm(model, progress)
+    windows = pick_windows(loaded.tokenizer, text, settings)
+    hessians, key_of = collect_hessians(loaded.model, windows, progress)
+    with output_dir(Path(out), force, inputs=[Path(model), Path(data)]) as tmp:
+        (tmp / HESSIAN_DIR).mkdir()
+        encoded = [encode_tensor(k, h.astype(np.float32), "raw", role="data", dtype="float32")
+                   for k, h in hessians.items()]
+        write_weights(tmp / HESSIAN_DIR, encoded, extra={"hessians": key_of, "tokens": int(windows.size)})
+        manifest = {"producer": f"accel {__version__}", "model": str(model), "for": ["weights"],
+                    "data": {Path(data).name: file_sha256(Path(data))}, "settings": asdict(settings),
+                    "tokens": int(windows.size), "layers": len(key_of)}
+        atomic_write_text(tmp / CALIB_MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return {"out": str(out), "for": ["weights"], "tokens": int(windows.size), "windows": int(len(windows)),
+            "hessians": len(hessians), "layers": len(key_of)}
+
+
+class HessianStore:
+    """Read side of out/hessians: H for a weight name, validated against the weight's input size."""
+
+    def __init__(self, calib_dir: Path):
+        path = Path(calib_dir) / HESSIAN_DIR
+        if not path.is_dir():
+            raise AccelError(f"--calib {calib_dir}: no Hessians (run `accel calibrate --for weights` first)")
+        self.artifact = Artifact(path)
+        self.key_of: dict[str, str] = self.artifact.extra.get("hessians", {})
+
+    def get(self, weight_name: str, in_features: int) -> np.ndarray:
+        key = self.key_of.get(weight_name)
+        if key is None:
+            raise AccelError(f"--calib has no Hessian for '{weight_name}' (calibrated on a different model?)")
+        h = self.artifact.decode(key).astype(np.float64)
+        if h.shape != (in_features, in_features):
+            raise AccelError(f"--calib Hessian for '{weight_name}' is {h.shape[0]}x{h.shape[1]}, but the layer "
+                             f"has {in_features} inputs (calibrated on a different model?)")
+        return h

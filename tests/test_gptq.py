@@ -1,0 +1,127 @@
+"""Incoherence transforms, error feedback (GPTQ / block LDLQ) and Hessian calibration."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from accel.calibrate.hessians import collect_hessians
+from accel.quantize.gptq import damped_inverse_cholesky, error_feedback, proxy_loss
+from accel.quantize.gptq_affine import gptq_affine
+from accel.quantize.incoherence import rht, split_size, transform_hessian, transform_weight, untransform_weight
+
+
+@pytest.mark.parametrize("n", [1, 7, 24, 64, 576, 1536, 4096, 14336])
+def test_rht_is_orthogonal_for_any_size(n, rng):
+    x = rng.standard_normal((3, n))
+    y = rht(x, seed=11)
+    assert np.allclose(np.linalg.norm(y, axis=1), np.linalg.norm(x, axis=1))
+    assert np.allclose(rht(y, seed=11, inverse=True), x, atol=1e-12)
+    assert not np.allclose(rht(x, seed=12), y) or n == 1
+
+
+def test_rht_matches_its_dense_matrix(rng):
+    n = 96  # 3 * 32
+    q = rht(np.eye(n), seed=3)  # row i = Q e_i, i.e. Q^T
+    assert np.allclose(q @ q.T, np.eye(n), atol=1e-12)
+    x = rng.standard_normal(n)
+    assert np.allclose(rht(x, seed=3), q.T @ x)
+    assert split_size(576) == (9, 64) and split_size(14336) == (7, 2048)
+
+
+def test_rht_spreads_an_outlier(rng):
+    x = np.zeros(576)
+    x[5] = 1.0
+    assert np.abs(rht(x, seed=0)).max() < 0.5
+
+
+def test_weight_transform_roundtrip_and_proxy_loss_invariance(rng):
+    w = rng.standard_normal((48, 96))
+    x = rng.standard_normal((500, 96)) * np.linspace(0.1, 3, 96)
+    h = x.T @ x
+    wt = transform_weight(w, seed_out=1, seed_in=2)
+    assert np.allclose(untransform_weight(wt, 1, 2), w, atol=1e-12)
+    e = rng.standard_normal(wt.shape) * 0.01
+    original_space = untransform_weight(wt + e, 1, 2)
+    assert proxy_loss(w, original_space, h) == pytest.approx(proxy_loss(wt, wt + e, transform_hessian(h, 2)))
+
+
+def _classic_gptq(w, h, quant, damp=0.01):
+    """Frantar et al.'s column loop, float64, no lazy batching: the reference for error_feedback."""
+    w = w.copy()
+    u = damped_inverse_cholesky(h, damp)
+    q = np.zeros_like(w)
+    for j in range(w.shape[1]):
+        q[:, j] = quant(w[:, j])
+        err = (w[:, j] - q[:, j]) / u[j, j]
+        w[:, j + 1 :] -= np.outer(err, u[j, j + 1 :])
+    return q
+
+
+def _grid(col):
+    return np.round(col * 4) / 4
+
+
+def _correlated(rng, n=72):
+    x = rng.standard_normal((400, n)) @ rng.standard_normal((n, n)) * 0.3
+    return x.T @ x / 400
+
+
+def test_error_feedback_equals_classic_gptq(rng):
+    w, h = rng.standard_normal((16, 72)), _correlated(rng)
+    ours = error_feedback(w, damped_inverse_cholesky(h), 1, lambda a, ahead: _grid(ahead[:, :1]), lazy=24)
+    assert np.allclose(ours, _classic_gptq(w, h, _grid), atol=1e-9)
+
+
+def test_block_feedback_with_sequential_inner_quantizer_equals_gptq(rng):
+    w, h = rng.standard_normal((16, 72)), _correlated(rng)
+    u = damped_inverse_cholesky(h)
+
+    def inner(a, ahead):  # quantize the 24-column block column by column with feedback inside the block
+        blk = ahead[:, :24].copy()
+        out = np.zeros_like(blk)
+        for j in range(24):
+            out[:, j] = _grid(blk[:, j])
+            err = (blk[:, j] - out[:, j]) / u[a + j, a + j]
+            blk[:, j + 1 :] -= np.outer(err, u[a + j, a + j + 1 : a + 24])
+        return out
+
+    assert np.allclose(error_feedback(w, u, 24, inner, lazy=48), _classic_gptq(w, h, _grid), atol=1e-9)
+
+
+def test_feedback_lowers_the_proxy_loss(rng):
+    w, h = rng.standard_normal((64, 72)), _correlated(rng)
+    rtn = _grid(w)
+    fb = error_feedback(w, damped_inverse_cholesky(h), 1, lambda a, ahead: _grid(ahead[:, :1]))
+    assert proxy_loss(w, fb, h) < 0.8 * proxy_loss(w, rtn, h)
+
+
+def test_gptq_affine_values_lie_on_their_stored_grid(rng):
+    w, h = rng.standard_normal((8, 100)), _correlated(rng, 100)
+    q, scale, offset = gptq_affine(w, h, levels=8, group=32)
+    assert q.shape == w.shape and scale.shape == (8, 4)
+    s = np.repeat(scale.astype(np.float64), 32, axis=1)[:, :100]
+    o = np.repeat(offset.astype(np.float64), 32, axis=1)[:, :100]
+    codes = (q - o) / np.where(s > 0, s, 1)
+    assert np.allclose(codes, np.rint(codes), atol=1e-6) and codes.min() > -1e-6 and codes.max() < 7 + 1e-6
+
+
+def test_collect_hessians_matches_direct_inputs(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    windows = np.random.default_rng(0).integers(0, model.config.vocab_size, size=(3, 20))
+    hessians, key_of = collect_hessians(model, windows)
+    assert key_of["model.layers.0.self_attn.k_proj.weight"] == "model.layers.0.self_attn.q_proj.weight"
+    assert key_of["model.layers.1.mlp.up_proj.weight"] == "model.layers.1.mlp.gate_proj.weight"
+    assert len(hessians) == 4 * model.config.num_hidden_layers
+    captured = []
+    layer = model.model.layers[1].mlp.down_proj
+    handle = layer.register_forward_pre_hook(lambda m, args: captured.append(args[0].reshape(-1, args[0].shape[-1])))
+    with torch.inference_mode():
+        for window in windows:
+            model(input_ids=torch.from_numpy(window)[None])
+    handle.remove()
+    x = torch.cat(captured).double().numpy()
+    assert np.allclose(hessians["model.layers.1.mlp.down_proj.weight"], x.T @ x / x.shape[0], rtol=1e-5, atol=1e-8)
