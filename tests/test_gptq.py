@@ -9,7 +9,13 @@ import torch
 from accel.calibrate.hessians import collect_hessians
 from accel.quantize.gptq import damped_inverse_cholesky, error_feedback, proxy_loss
 from accel.quantize.gptq_affine import gptq_affine
-from accel.quantize.incoherence import rht, split_size, transform_hessian, transform_weight, untransform_weight
+from accel.quantize.incoherence import (
+    rht,
+    split_size,
+    transform_hessian,
+    transform_weight,
+    untransform_weight,
+)
 
 
 @pytest.mark.parametrize("n", [1, 7, 24, 64, 576, 1536, 4096, 14336])

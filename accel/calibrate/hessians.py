@@ -104,7 +104,7 @@ def calibrate_weights(model: str, data: Path, out: Path, settings: CalibSettings
                     "data": {Path(data).name: file_sha256(Path(data))}, "settings": asdict(settings),
                     "tokens": int(windows.size), "layers": len(key_of)}
         atomic_write_text(tmp / CALIB_MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    return {"out": str(out), "for": ["weights"], "tokens": int(windows.size), "windows": int(len(windows)),
+    return {"out": str(out), "for": ["weights"], "tokens": int(windows.size), "windows": len(windows),
             "hessians": len(hessians), "layers": len(key_of)}
 
 

@@ -45,7 +45,7 @@ def register_weight_method(method: WeightMethod) -> WeightMethod:
 
 
 def get_weight_method(name: str) -> WeightMethod:
-    import accel.quantize.gptq_affine  # noqa: F401  (registers gptq2..gptq4)
+    import accel.quantize.gptq_affine
     import accel.quantize.rtn  # noqa: F401  (registers rtn2..rtn8)
 
     if name not in WEIGHT_METHODS and name in PLANNED_WEIGHT_METHODS:
