@@ -131,3 +131,22 @@ def test_collect_hessians_matches_direct_inputs(tiny_llama):
     handle.remove()
     x = torch.cat(captured).double().numpy()
     assert np.allclose(hessians["model.layers.1.mlp.down_proj.weight"], x.T @ x / x.shape[0], rtol=1e-5, atol=1e-8)
+
+
+def test_hqq_arm_decodes_like_hqq_itself(rng):
+    from hqq.core.quantize import Quantizer
+
+    from accel.formats.tensor import decode_parts
+    from accel.quantize.hqq_affine import _hqq
+    from accel.quantize.methods import WeightSettings
+
+    w = rng.standard_normal((16, 128)).astype(np.float32)
+    entry, arrays = _hqq(3)("w", w, WeightSettings(group=64))
+    ours = decode_parts(entry, {p: arrays[n] for p, n in entry.parts.items()})
+    w_q, meta = Quantizer.quantize(torch.from_numpy(w), nbits=3, group_size=64, optimize=True, axis=1,
+                                   bitpack=False, device="cpu", compute_dtype=torch.float32)
+    meta["compute_dtype"] = torch.float32
+    theirs = Quantizer.dequantize(w_q, meta).numpy()
+    step = np.abs(w).max() / 7
+    assert np.abs(ours - theirs).max() < 0.02 * step  # fp16 side data only
+    assert entry.params["levels"] == 8

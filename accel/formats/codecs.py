@@ -20,7 +20,7 @@ class Encoded:
     """What a codec produced for one tensor."""
 
     params: dict[str, Any]
-    codes: np.ndarray | None = None  # integer codes in [0, levels), flat
+    codes: np.ndarray | dict[str, np.ndarray] | None = None  # flat integer codes; a dict for several streams
     side: dict[str, np.ndarray] = field(default_factory=dict)  # side arrays, already in their stored dtype
 
 
@@ -53,6 +53,18 @@ class Codec:
 
     def code_count(self, params: dict, shape: tuple[int, ...]) -> int:
         return int(np.prod(shape, dtype=np.int64))
+
+    def streams(self, params: dict, shape: tuple[int, ...]) -> dict[str, tuple[int, int]]:
+        """Code streams as part name -> (levels, count). One stream, `codes`, unless a codec has several;
+        a codec with several receives its codes in decode() as a dict keyed by part name."""
+        levels = self.levels(params)
+        return {"codes": (levels, self.code_count(params, shape))} if levels else {}
+
+    def layout_for(self, name: str, stream: str, params: dict):
+        """The layout object that stores one code stream; codecs with serving layouts of their own override this."""
+        from accel.formats.layouts import get_layout
+
+        return get_layout(name)
 
     def side_parts(self, params: dict, shape: tuple[int, ...]) -> dict[str, SidePart]:
         return {}

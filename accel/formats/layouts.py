@@ -139,9 +139,12 @@ def _check_padding(rows: np.ndarray, count: int) -> None:
         raise FormatError("packed rows have non-zero padding bits after the last code")
 
 
+LAYOUT_ALIASES = {"compact": "packed"}  # the on-disk index stream of design.md is the plain packed stream
+
+
 def get_layout(name: str) -> Layout:
     try:
-        return Layout.registry[name]
+        return Layout.registry[LAYOUT_ALIASES.get(name, name)]
     except KeyError:
         raise FormatError(f"unknown layout '{name}' (known: {', '.join(sorted(Layout.registry))})") from None
 

@@ -10,7 +10,6 @@ import numpy as np
 from accel.errors import FormatError
 from accel.formats import dtypes
 from accel.formats.codecs import get_codec
-from accel.formats.layouts import get_layout
 
 ROLES = ("quantized", "kept", "map", "data")
 
@@ -61,14 +60,13 @@ class TensorEntry:
         except FormatError as exc:
             raise FormatError(f"tensor '{self.name}': {exc}") from None
         expected = {k: (p.shape, p.dtype) for k, p in codec.side_parts(self.params, self.shape).items()}
-        levels = codec.levels(self.params)
-        if levels:
-            layout = get_layout(self.layout)
+        streams = codec.streams(self.params, self.shape)
+        for part, (levels, count) in streams.items():
+            layout = codec.layout_for(self.layout, part, self.params)
             if not layout.supports(levels):
                 raise FormatError(f"tensor '{self.name}': layout '{self.layout}' cannot hold {levels}-level codes")
-            count = codec.code_count(self.params, self.shape)
-            expected["codes"] = (layout.stored_shape(levels, count), "U8")
-        elif self.layout != "dense":
+            expected[part] = (layout.stored_shape(levels, count), "U8")
+        if not streams and self.layout != "dense":
             raise FormatError(f"tensor '{self.name}': codec '{self.codec}' stores no codes, layout must be 'dense'")
         return expected
 
@@ -85,8 +83,10 @@ def encode_tensor(name: str, x: np.ndarray, codec: str, *, role: str = "quantize
     enc = impl.encode(x, **params)
     layout = layout or impl.default_layout(enc.params)
     parts = dict(enc.side)
-    if enc.codes is not None:
-        parts["codes"] = get_layout(layout).pack(enc.codes, impl.levels(enc.params))
+    codes = enc.codes if isinstance(enc.codes, dict) else ({"codes": enc.codes} if enc.codes is not None else {})
+    streams = impl.streams(enc.params, tuple(np.shape(x)))
+    for part, (levels, _) in streams.items():
+        parts[part] = impl.layout_for(layout, part, enc.params).pack(codes[part], levels)
     entry = TensorEntry(name=name, codec=codec, params=enc.params, shape=tuple(int(d) for d in np.shape(x)),
                         layout=layout, role=role)
     arrays = {}
@@ -99,16 +99,16 @@ def encode_tensor(name: str, x: np.ndarray, codec: str, *, role: str = "quantize
 def decode_parts(entry: TensorEntry, parts: dict[str, np.ndarray]) -> np.ndarray:
     """Decode a logical tensor from its stored arrays (keyed by part name)."""
     codec = get_codec(entry.codec)
-    levels = codec.levels(entry.params)
-    codes = None
-    if levels:
-        count = codec.code_count(entry.params, entry.shape)
+    streams = codec.streams(entry.params, entry.shape)
+    codes = {}
+    for part, (levels, count) in streams.items():
         try:
-            codes = get_layout(entry.layout).unpack(parts["codes"], levels, count)
+            codes[part] = codec.layout_for(entry.layout, part, entry.params).unpack(parts[part], levels, count)
         except FormatError as exc:
             raise FormatError(f"tensor '{entry.name}': {exc}") from None
-    side = {k: v for k, v in parts.items() if k != "codes"}
-    return codec.decode(codes, side, entry.params, entry.shape)
+    side = {k: v for k, v in parts.items() if k not in streams}
+    arg = codes.get("codes") if set(codes) <= {"codes"} else codes
+    return codec.decode(arg, side, entry.params, entry.shape)
 
 
 def storage_dtype_of(array: np.ndarray, expected: str) -> str:

@@ -46,7 +46,8 @@ def register_weight_method(method: WeightMethod) -> WeightMethod:
 
 def get_weight_method(name: str) -> WeightMethod:
     import accel.quantize.gptq_affine
-    import accel.quantize.rtn  # noqa: F401  (registers rtn2..rtn8)
+    import accel.quantize.hqq_affine
+    import accel.quantize.rtn  # noqa: F401  (each module registers its methods: gptqN, hqqN, rtnN)
 
     if name not in WEIGHT_METHODS and name in PLANNED_WEIGHT_METHODS:
         raise AccelError(f"--weights {name} is not available yet (tracked in issue #{PLANNED_WEIGHT_METHODS[name]})")
