@@ -1,5 +1,6 @@
 """The common format library: container, codec registry, layouts, bit packing, checksums, atomic IO."""
 
+from accel.formats import leech_codec  # noqa: F401  (registers the leech codec)
 from accel.formats.artifact import Artifact, write_weights
 from accel.formats.codecs import Codec, get_codec
 from accel.formats.container import FORMAT_VERSION, AccelFile, write_file

@@ -36,7 +36,7 @@ class WeightMethod:
 
 WEIGHT_METHODS: dict[str, WeightMethod] = {}
 # methods of design.md §3 whose issue is still open: name -> issue number
-PLANNED_WEIGHT_METHODS = {name: 3 for name in ("leech2", "leech3", "leech4")}
+PLANNED_WEIGHT_METHODS: dict[str, int] = {}
 
 
 def register_weight_method(method: WeightMethod) -> WeightMethod:
@@ -47,7 +47,8 @@ def register_weight_method(method: WeightMethod) -> WeightMethod:
 def get_weight_method(name: str) -> WeightMethod:
     import accel.quantize.gptq_affine
     import accel.quantize.hqq_affine
-    import accel.quantize.rtn  # noqa: F401  (each module registers its methods: gptqN, hqqN, rtnN)
+    import accel.quantize.leech_weights
+    import accel.quantize.rtn  # noqa: F401  (each module registers its methods)
 
     if name not in WEIGHT_METHODS and name in PLANNED_WEIGHT_METHODS:
         raise AccelError(f"--weights {name} is not available yet (tracked in issue #{PLANNED_WEIGHT_METHODS[name]})")

@@ -1,0 +1,112 @@
+"""Leech-lattice weight quantization `leech2|leech3|leech4`: RHT incoherence, per-row scales, nearest ball points
+per 24-column block, optional residual second stage, block-LDLQ error feedback when Hessians are given.
+
+Rates (bits per 24-weight block): leech2 = 48 (shells 2..13, < 2^48 points); leech3 = 48 + 25 (second stage on
+shells 2..3); leech4 = 48 + 48. Row scales add 16 bits per row; padding to whole blocks is counted.
+"""
+
+from __future__ import annotations
+
+import zlib
+from functools import cache
+
+import numpy as np
+
+from accel.formats import dtypes
+from accel.formats.leech_codec import BLOCK, STREAM_NAMES
+from accel.formats.tensor import TensorEntry, encode_tensor
+from accel.quantize.gptq import damped_inverse_cholesky, error_feedback
+from accel.quantize.incoherence import transform_hessian, transform_weight
+from accel.quantize.methods import WeightMethod, WeightSettings, register_weight_method
+
+RATES = {"leech2": (13,), "leech3": (13, 3), "leech4": (13, 13)}
+_ALPHA_GRID = np.geomspace(0.2, 1.5, 28)
+
+
+def _search(targets: np.ndarray, alpha: float, max_shell: int):
+    from accel.quantize.leech import nearest_point
+
+    return nearest_point(targets, alpha, max_shell)
+
+
+@cache
+def stage_alphas(shells: tuple[int, ...]) -> tuple[float, ...]:
+    """Per-stage lattice scales that minimise the MSE on unit Gaussian blocks (seeded sample; cached)."""
+    rng = np.random.default_rng(0x1EEC)
+    residual = rng.standard_normal((384, BLOCK))
+    alphas = []
+    for max_shell in shells:
+        norm = float(np.sqrt((residual**2).sum(axis=1).mean()))
+        best = None
+        for factor in _ALPHA_GRID:
+            alpha = float(factor * norm / np.sqrt(BLOCK))
+            err = float(_search(residual, alpha, max_shell).objective.mean())
+            if best is None or err < best[0]:
+                best = (err, alpha)
+        alpha = float(np.float32(best[1]))  # a short, exactly representable JSON value
+        alphas.append(alpha)
+        residual = residual - alpha * _search(residual, alpha, max_shell).points
+    return tuple(alphas)
+
+
+def tensor_seeds(name: str, seed: int) -> tuple[int, int]:
+    """RHT seeds of one tensor: fixed by the run's seed and the tensor's name."""
+    base = zlib.crc32(name.encode()) ^ (seed * 0x9E3779B1 & 0xFFFFFFFF)
+    return base & 0xFFFFFFFF, (base * 0x85EBCA6B + 1) & 0xFFFFFFFF
+
+
+def quantize_leech(weight: np.ndarray, shells: tuple[int, ...], seed_in: int, seed_out: int,
+                   hessian: np.ndarray | None = None) -> tuple[dict[str, np.ndarray], np.ndarray, dict]:
+    """Code streams, fp16 row scales and codec params for one 2-D weight."""
+    rows, cols = weight.shape
+    padded = -(-cols // BLOCK) * BLOCK
+    w = np.zeros((rows, padded))
+    w[:, :cols] = weight
+    wt = transform_weight(w, seed_out, seed_in)
+    scale16 = dtypes.to_storage(np.sqrt((wt**2).mean(axis=1)), "float16")
+    scale = scale16.astype(np.float64)
+    scale[scale == 0] = 1.0  # an all-zero row: any scale decodes to the points times zero-ish; keep it finite
+    alphas = stage_alphas(shells)
+    codes = [np.zeros((rows, padded // BLOCK), dtype=np.uint64) for _ in shells]
+
+    def quantize(a: int, ahead: np.ndarray) -> np.ndarray:
+        target = ahead[:, :BLOCK] / scale[:, None]
+        approx = np.zeros_like(target)
+        for i, (max_shell, alpha) in enumerate(zip(shells, alphas, strict=True)):
+            found = _search(target - approx, alpha, max_shell)
+            codes[i][:, a // BLOCK] = found.indices
+            approx += alpha * found.points
+        return approx * scale[:, None]
+
+    if hessian is None:
+        flat = wt.reshape(rows, padded // BLOCK, BLOCK).transpose(1, 0, 2).reshape(-1, BLOCK)
+        scaled = flat / np.repeat(scale[None], padded // BLOCK, axis=0).reshape(-1)[:, None]
+        approx = np.zeros_like(scaled)
+        for i, (max_shell, alpha) in enumerate(zip(shells, alphas, strict=True)):
+            found = _search(scaled - approx, alpha, max_shell)
+            codes[i] = found.indices.reshape(padded // BLOCK, rows).T.copy()
+            approx += alpha * found.points
+    else:
+        h = np.zeros((padded, padded))
+        h[:cols, :cols] = hessian
+        u = damped_inverse_cholesky(transform_hessian(h, seed_in))
+        error_feedback(wt, u, BLOCK, quantize, lazy=4 * BLOCK)
+    params = {"stages": [{"max_shell": m, "alpha": a} for m, a in zip(shells, alphas, strict=True)],
+              "cols": padded, "seed_in": seed_in, "seed_out": seed_out, "scale_dtype": "float16"}
+    return {STREAM_NAMES[i]: c.reshape(-1) for i, c in enumerate(codes)}, scale16, params
+
+
+def encode_leech(name: str, weight: np.ndarray, shells: tuple[int, ...], settings: WeightSettings
+                 ) -> tuple[TensorEntry, dict[str, np.ndarray]]:
+    seed_in, seed_out = tensor_seeds(name, settings.seed)
+    hessian = settings.hessians.get(name, weight.shape[1]) if settings.hessians is not None else None
+    return encode_tensor(name, weight, "leech", layout=settings.layout, shells=shells, seed_in=seed_in,
+                         seed_out=seed_out, hessian=hessian)
+
+
+def _method(shells: tuple[int, ...]):
+    return lambda name, weight, settings: encode_leech(name, weight, shells, settings)
+
+
+for _name, _shells in RATES.items():
+    register_weight_method(WeightMethod(_name, f"Leech lattice, stages on shells {_shells}", _method(_shells)))

@@ -1,0 +1,120 @@
+"""Leech weight quantization: float64 reference decode, layouts bit-exact both ways, padding, error feedback."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from accel.formats import encode_tensor
+from accel.formats.codecs import get_codec
+from accel.formats.leech_codec import BLOCK
+from accel.formats.tensor import decode_parts
+from accel.quantize.gptq import proxy_loss
+from accel.quantize.incoherence import rht
+from accel.quantize.leech import index_to_point, is_leech_point, shell_of
+
+LAYOUTS = ("packed", "planes", "onehot")
+
+
+def _encode(w, shells=(13,), layout=None, hessian=None):
+    return encode_tensor("w", w, "leech", layout=layout, shells=shells, seed_in=5, seed_out=9, hessian=hessian)
+
+
+def _decode(entry, arrays):
+    return decode_parts(entry, {p: arrays[n] for p, n in entry.parts.items()})
+
+
+def _reference_decode(entry, arrays) -> np.ndarray:
+    """Float64 decode written from docs/format.md alone: dense transform matrices, no shared helpers."""
+    rows, cols = entry.shape
+    padded = entry.params["cols"]
+    codec = get_codec("leech")
+    streams = {p: codec.layout_for("packed", p, entry.params).unpack(arrays[f"w:{p}"], lv, n)
+               for p, (lv, n) in codec.streams(entry.params, entry.shape).items()}
+    total = np.zeros((rows * padded // BLOCK, BLOCK))
+    for part, stage in zip(("codes", "codes2"), entry.params["stages"], strict=False):
+        total += stage["alpha"] * index_to_point(streams[part], stage["max_shell"]).astype(np.float64)
+    wt = total.reshape(rows, padded) * arrays["w:scale"].astype(np.float64)[:, None]
+    u = rht(np.eye(rows), entry.params["seed_out"]).T  # U: column j is U e_j
+    v = rht(np.eye(padded), entry.params["seed_in"]).T
+    return (u.T @ wt @ v)[:, :cols]
+
+
+@pytest.mark.parametrize("shells", [(13,), (13, 3), (13, 13)])
+def test_decode_matches_float64_reference(rng, shells):
+    w = rng.standard_normal((30, 50))
+    entry, arrays = _encode(w, shells)
+    ours = _decode(entry, arrays)
+    ref = _reference_decode(entry, arrays)
+    assert ours.dtype == np.float32 and ours.shape == w.shape
+    assert np.allclose(ours, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+
+
+def test_every_pair_of_layouts_roundtrips_bit_exactly(rng):
+    w = rng.standard_normal((12, 72))
+    codec = get_codec("leech")
+    entry, arrays = _encode(w, (13, 3))
+    streams = {p: codec.layout_for("packed", p, entry.params).unpack(arrays[f"w:{p}"], lv, n)
+               for p, (lv, n) in codec.streams(entry.params, entry.shape).items()}
+    for part, (levels, count) in codec.streams(entry.params, entry.shape).items():
+        stored = {name: codec.layout_for(name, part, entry.params).pack(streams[part], levels) for name in LAYOUTS}
+        for a, b in itertools.permutations(LAYOUTS, 2):
+            back = codec.layout_for(a, part, entry.params).unpack(stored[a], levels, count)
+            again = codec.layout_for(b, part, entry.params).pack(back, levels)
+            assert np.array_equal(again, stored[b]), (part, a, b)
+    decoded = {name: _decode(*_encode(w, (13, 3), layout=name)) for name in LAYOUTS}
+    for name in LAYOUTS[1:]:
+        assert np.array_equal(decoded[name].view(np.uint32), decoded["packed"].view(np.uint32))
+
+
+def test_points_are_in_the_lattice_and_the_rate_is_48_bits_a_block(rng):
+    w = rng.standard_normal((24, 576))
+    entry, arrays = _encode(w)
+    codes = get_codec("leech").layout_for("packed", "codes", entry.params).unpack(arrays["w:codes"], 2**48, 24 * 24)
+    points = index_to_point(codes, 13)
+    assert is_leech_point(points).all() and ((shell_of(points) >= 2) & (shell_of(points) <= 13)).all()
+    assert arrays["w:codes"].nbytes * 8 == 48 * 24 * 24
+    bpw = 8 * sum(a.nbytes for a in arrays.values()) / w.size
+    assert bpw == pytest.approx(2 + 16 / 576)
+
+
+def test_error_is_near_the_gaussian_rate_distortion(rng):
+    w = rng.standard_normal((64, 240))
+    for shells, bound in (((13,), 0.30), ((13, 3), 0.16), ((13, 13), 0.085)):
+        y = _decode(*_encode(w, shells))
+        assert np.linalg.norm(y - w) / np.linalg.norm(w) < bound, shells
+
+
+def test_sizes_that_are_not_whole_blocks_are_padded_and_counted(rng):
+    w = rng.standard_normal((16, 4096))
+    entry, arrays = _encode(w)
+    assert entry.params["cols"] == 4104
+    assert arrays["w:codes"].nbytes == 16 * 4104 // BLOCK * 6
+    y = _decode(entry, arrays)
+    assert y.shape == w.shape and np.linalg.norm(y - w) / np.linalg.norm(w) < 0.3
+
+
+@pytest.mark.slow
+def test_a_4096_square_matrix(rng):
+    w = rng.standard_normal((4096, 4096)).astype(np.float32)
+    entry, arrays = _encode(w)
+    y = _decode(entry, arrays)
+    assert np.linalg.norm(y - w) / np.linalg.norm(w) < 0.3
+    assert 8 * sum(a.nbytes for a in arrays.values()) / w.size < 2.02
+
+
+def test_error_feedback_lowers_the_proxy_loss(rng):
+    x = rng.standard_normal((2000, 96)) @ rng.standard_normal((96, 96))
+    h = x.T @ x / 2000
+    w = rng.standard_normal((32, 96))
+    plain = _decode(*_encode(w))
+    fed = _decode(*_encode(w, hessian=h))
+    assert proxy_loss(w, fed, h) < 0.9 * proxy_loss(w, plain, h)
+
+
+def test_same_seed_same_bytes(rng):
+    w = rng.standard_normal((8, 48))
+    a, b = _encode(w)[1], _encode(w)[1]
+    assert all(np.array_equal(a[k], b[k]) for k in a)
