@@ -49,7 +49,7 @@ def test_every_command_has_help(capsys, command):
     (["calibrate", "M", "--data", "d", "--for", "kv", "--out", "c"], 5),
     (["export-ane", "M", "--out", "p"], 7),
     (["probe", "report", "cap.json", "--package", "p"], 7),
-    (["quantize", "M", "--weights", "leech2", "--out", "o"], 3),
+    (["quantize", "M", "--weights", "rtn4", "--state", "damp", "--out", "o"], 6),
     (["quantize", "M", "--kv", "semkv", "--out", "o"], 5),
 ])
 def test_commands_of_later_issues_say_not_available(capsys, tmp_path, argv, issue):
@@ -248,3 +248,22 @@ def test_corrupt_outputs_are_one_line_errors(capsys, rtn4, tmp_path, corrupt, me
     assert_one_line_error(code, err, 2, message)
     code, out, _ = run(capsys, "verify", broken, "--json")
     assert code == 1 and message in json.loads(out)["errors"][0]
+
+
+def test_leech2_with_calibration_end_to_end(capsys, tiny_llama, tmp_path, text_file):
+    calib = tmp_path / "calib"
+    run_json(capsys, "calibrate", tiny_llama, "--for", "weights", "--data", text_file, "--out", calib,
+             "--samples", "4", "--seq-len", "32")
+    out = tmp_path / "l2"
+    q = run_json(capsys, "quantize", tiny_llama, "--weights", "leech2", "--calib", calib, "--out", out)
+    info = run_json(capsys, "inspect", out)
+    q_proj = next(t for t in info["tensors"] if t["name"] == "model.layers.0.self_attn.q_proj.weight")
+    assert q_proj["codec"] == "leech" and q_proj["layout"] == "packed"
+    # hidden size 40 is padded to 48: 2 blocks of 48 bits per row plus a 16-bit row scale
+    assert q_proj["bits_per_weight"] == pytest.approx((2 * 48 + 16) / 40)
+    assert info["bits_per_weight"] == pytest.approx(q["bits_per_weight"])
+    ver = run_json(capsys, "verify", out, "--reference", tiny_llama)
+    assert ver["ok"] and ver["max_rel_error"] < 0.5  # feedback trades weight error for output error
+    ev = run_json(capsys, "eval", out, "--data", text_file, "--reference", tiny_llama, "--windows", "2",
+                  "--seq-len", "32")
+    assert ev["delta_nll_ci"][0] <= ev["delta_nll"] <= ev["delta_nll_ci"][1]

@@ -1,0 +1,95 @@
+"""Quality of weight quantizers on SmolLM2-135M: ppl, paired ΔNLL (bootstrap 95% CI) and exact bits/weight per arm.
+
+Calibration uses the second half of the pydoc corpus, evaluation the first half, so no window is seen twice.
+Usage: python bench/leech_quality.py [--quick] [--json] [--arms a,b,...] [--windows N] [--seq-len L]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from accel.calibrate.hessians import CalibSettings, calibrate_weights
+from accel.eval.data import pydoc_text, token_windows
+from accel.eval.load import load_causal_lm
+from accel.eval.perplexity import window_nll
+from accel.eval.stats import paired_bootstrap
+from accel.quantize.methods import get_weight_method
+from accel.quantize.pipeline import QuantizeSettings, quantize_model
+
+MODEL = "smollm2-135m"
+ARMS = ["fp32", "rtn2", "rtn3", "hqq2", "hqq3", "gptq2", "gptq3", "leech2", "leech3", "leech4"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="8 windows of 256 tokens, 16 calibration windows")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--windows", type=int, default=40)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--calib-samples", type=int, default=64)
+    ap.add_argument("--workdir", type=Path, default=None, help="keep outputs here (default: a temporary dir)")
+    args = ap.parse_args()
+    if args.quick:
+        args.windows, args.seq_len, args.calib_samples = 8, 256, 16
+    arms = [a for a in args.arms.split(",") if a]
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="leech_quality."))
+    work.mkdir(parents=True, exist_ok=True)
+    text = pydoc_text()
+    half = len(text) // 2
+    (work / "eval.txt").write_text(text[:half], encoding="utf-8")
+    (work / "calib.txt").write_text(text[half:], encoding="utf-8")
+
+    calib = work / "calib"
+    if any(a != "fp32" and get_weight_method(a).needs_calibration for a in arms) and not calib.exists():
+        t = time.perf_counter()
+        calibrate_weights(MODEL, work / "calib.txt", calib,
+                          CalibSettings(samples=args.calib_samples, seq_len=args.seq_len))
+        print(f"calibration: {time.perf_counter() - t:.0f} s", file=sys.stderr)
+
+    ref = load_causal_lm(MODEL)
+    windows = token_windows(ref.tokenizer, text[:half], args.seq_len, args.windows)
+    ref_nll = window_nll(ref.model, windows)
+    del ref
+    rows = []
+    for arm in arms:
+        if arm == "fp32":
+            rows.append({"arm": "fp32", "bits_per_weight": 32.0, "ppl": ref_nll.ppl, "delta_nll": 0.0,
+                         "delta_nll_ci": [0.0, 0.0], "quantize_s": 0.0})
+            continue
+        out = work / arm
+        method = get_weight_method(arm)
+        settings = QuantizeSettings(weights=arm, group=64, calib=str(calib) if method.needs_calibration else None)
+        report = quantize_model(MODEL, out, settings, force=True)
+        loaded = load_causal_lm(out)
+        nll = window_nll(loaded.model, windows)
+        del loaded
+        delta = paired_bootstrap(nll.nll, ref_nll.nll)
+        rows.append({"arm": arm, "bits_per_weight": report["bits_per_weight"], "ppl": nll.ppl,
+                     "delta_nll": delta.mean, "delta_nll_ci": [delta.low, delta.high],
+                     "quantize_s": report["seconds"]})
+        print(f"{arm}: done", file=sys.stderr)
+
+    print(f"SmolLM2-135M, pydoc first half, {len(windows)} windows x {args.seq_len} tokens; calibration on the "
+          f"second half ({args.calib_samples} windows)")
+    print(f"{'arm':8} {'bits/w':>8} {'ppl':>10} {'ppl/fp32':>9} {'ΔNLL':>9} {'95% CI':>21} {'quant s':>8}")
+    for r in rows:
+        lo, hi = r["delta_nll_ci"]
+        print(f"{r['arm']:8} {r['bits_per_weight']:8.4f} {r['ppl']:10.3f} {r['ppl'] / ref_nll.ppl:9.3f} "
+              f"{r['delta_nll']:+9.4f} [{lo:+8.4f}, {hi:+8.4f}] {r['quantize_s']:8.1f}")
+    if args.json:
+        print(json.dumps({"benchmark": "leech_quality", "windows": len(windows), "seq_len": args.seq_len,
+                          "rows": rows}, default=float))
+    return 0
+
+
+if __name__ == "__main__":
+    np.seterr(all="ignore")
+    sys.exit(main())
