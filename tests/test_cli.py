@@ -267,3 +267,11 @@ def test_leech2_with_calibration_end_to_end(capsys, tiny_llama, tmp_path, text_f
     ev = run_json(capsys, "eval", out, "--data", text_file, "--reference", tiny_llama, "--windows", "2",
                   "--seq-len", "32")
     assert ev["delta_nll_ci"][0] <= ev["delta_nll"] <= ev["delta_nll_ci"][1]
+
+
+def test_worker_count_does_not_change_the_bytes(tiny_llama, tmp_path):
+    for jobs in (1, 2):
+        assert main(["quantize", str(tiny_llama), "--weights", "leech2", "--jobs", str(jobs),
+                     "--out", str(tmp_path / f"j{jobs}")]) == 0
+    for f in sorted(p.name for p in (tmp_path / "j1").iterdir()):
+        assert (tmp_path / "j1" / f).read_bytes() == (tmp_path / "j2" / f).read_bytes(), f

@@ -21,6 +21,7 @@ def register(app: typer.Typer) -> None:
         kv: str = typer.Option(None, "--kv", help="semkv[:auto|LLO/LHI@FRAC] KV-cache precision map."),
         state: str = typer.Option(None, "--state", help="damp[:BITS] recurrent-state channel map."),
         seed: int = typer.Option(0, "--seed", help="Seed for every randomized step."),
+        jobs: int = typer.Option(None, "--jobs", help="Worker processes for heavy methods (default: one per core)."),
         force: bool = typer.Option(False, "--force", help="Replace an existing --out."),
         json_out: bool = JSON_OPTION,
     ) -> None:
@@ -33,7 +34,7 @@ def register(app: typer.Typer) -> None:
 
         settings = QuantizeSettings(weights=weights, group=group, layout=layout, seed=seed,
                                     calib=str(calib) if calib else None)
-        report = quantize_model(model, out, settings, force=force, progress=BarProgress())
+        report = quantize_model(model, out, settings, force=force, progress=BarProgress(), jobs=jobs)
         if json_out:
             emit_json(report)
             return

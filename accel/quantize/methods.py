@@ -32,6 +32,7 @@ class WeightMethod:
     description: str
     encode: Callable[[str, np.ndarray, WeightSettings], Encoded]
     needs_calibration: bool = False
+    parallel: bool = False  # heavy numpy-only work: worth a process pool
 
 
 WEIGHT_METHODS: dict[str, WeightMethod] = {}

@@ -6,7 +6,8 @@ import hashlib
 import json
 import resource
 import time
-from dataclasses import asdict, dataclass
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from accel.formats.layouts import get_layout
 from accel.formats.tensor import encode_tensor
 from accel.progress import SILENT, Progress
 from accel.quantize.methods import WeightSettings, get_weight_method, is_quantizable
+from accel.quantize.parallel import FixedHessian, default_jobs, encode_one, worker_pool
 
 
 @dataclass(frozen=True)
@@ -53,12 +55,17 @@ def _check_settings(settings: QuantizeSettings) -> None:
 
 
 def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: bool = False,
-                   progress: Progress = SILENT) -> dict[str, Any]:
-    """Quantize MODEL into OUT_DIR; returns the report of design.md §3 (`quantize`)."""
+                   progress: Progress = SILENT, jobs: int | None = None) -> dict[str, Any]:
+    """Quantize MODEL into OUT_DIR; returns the report of design.md §3 (`quantize`).
+
+    `jobs` worker processes share the heavy methods' tensors (default: one per core); the bytes written do
+    not depend on it.
+    """
     from accel.converters import open_model
     from accel.converters.sources import config_json_bytes
 
     started = time.perf_counter()
+    jobs = default_jobs() if jobs is None else jobs
     _check_settings(settings)
     check_output_dir(Path(out), force)
     method = get_weight_method(settings.weights)
@@ -74,20 +81,29 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
         with output_dir(Path(out), force, inputs=inputs + [Path(model)]) as tmp:
             names = source.tensor_names()
             progress.stage(f"quantizing ({settings.weights})", len(names))
-            encoded = []
-            for name in names:
-                x = source.load_tensor(name)
-                if not np.isfinite(x).all():
-                    raise AccelError(f"tensor '{name}' holds NaN or Inf values; refusing to quantize it")
-                if is_quantizable(name, x.shape):
-                    try:
-                        encoded.append(method.encode(name, x, weight_settings))
-                    except ValueError as exc:
-                        raise AccelError(f"tensor '{name}': {exc}") from None
-                else:
-                    encoded.append(encode_tensor(name, x, "raw", role="kept", dtype=source.tensor_dtype(name)))
-                progress.advance()
-                del x
+            results: dict[str, Any] = {}
+            with worker_pool(jobs if method.parallel else 1) as pool:
+                for name in names:
+                    x = source.load_tensor(name)
+                    if not np.isfinite(x).all():
+                        raise AccelError(f"tensor '{name}' holds NaN or Inf values; refusing to quantize it")
+                    if not is_quantizable(name, x.shape):
+                        results[name] = encode_tensor(name, x, "raw", role="kept", dtype=source.tensor_dtype(name))
+                        progress.advance()
+                        continue
+                    own = replace(weight_settings, hessians=None if hessians is None else
+                                  FixedHessian(name, hessians.get(name, x.shape[1])))
+                    if pool is None:
+                        results[name] = encode_one(settings.weights, name, x, own)
+                        progress.advance()
+                    else:
+                        results[name] = pool.submit(encode_one, settings.weights, name, x, own)
+                for name, result in results.items():
+                    if isinstance(result, Future):
+                        results[name] = result.result()
+                        progress.advance()
+            encoded = [results[name] for name in names]
+            del results
             progress.close()
             write_weights(tmp, encoded, settings.max_shard_bytes)
             source.save_support_files(tmp)
@@ -114,7 +130,9 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
         "weights": settings.weights,
         "bits_per_weight": bpw,
         "seconds": time.perf_counter() - started,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        "peak_rss_mb": max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF,
+                                                                          resource.RUSAGE_CHILDREN)) / 1024.0,
+        "jobs": jobs if method.parallel else 1,
         "tensors": len(summary),
         "quantized_tensors": sum(1 for s in summary.values() if s["role"] == "quantized"),
     }
