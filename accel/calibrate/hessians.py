@@ -71,11 +71,12 @@ def collect_hessians(model: torch.nn.Module, windows: np.ndarray, progress: Prog
         return hook
 
     handles = [mod.register_forward_pre_hook(hook_for(name)) for name, mod in linears.items()]
+    body = getattr(model, model.base_model_prefix, model)  # the decoder alone: the LM head adds nothing here
     try:
         progress.stage("calibrating (Hessians)", len(windows))
         for window in windows:
             last[0] = None
-            model(input_ids=torch.from_numpy(np.ascontiguousarray(window))[None])
+            body(input_ids=torch.from_numpy(np.ascontiguousarray(window))[None])
             progress.advance()
         progress.close()
     finally:
