@@ -47,8 +47,6 @@ def test_every_command_has_help(capsys, command):
 
 @pytest.mark.parametrize("argv,issue", [
     (["calibrate", "M", "--data", "d", "--for", "kv", "--out", "c"], 5),
-    (["export-ane", "M", "--out", "p"], 7),
-    (["probe", "report", "cap.json", "--package", "p"], 7),
     (["quantize", "M", "--weights", "rtn4", "--state", "damp", "--out", "o"], 6),
     (["quantize", "M", "--kv", "semkv", "--out", "o"], 5),
 ])

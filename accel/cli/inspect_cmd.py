@@ -25,6 +25,12 @@ def register(app: typer.Typer) -> None:
         json_out: bool = JSON_OPTION,
     ) -> None:
         """List logical tensors with codec, layout, exact bits per weight (codes plus side data) and sizes."""
+        from accel.converters.coreml.export import is_package
+
+        if is_package(path):  # a Core ML package from `accel export-ane`
+            from accel.cli.export_ane import show_package
+
+            return show_package(path, json_out)
         from accel.formats.inspect import inspect_artifact
 
         report = inspect_artifact(path)

@@ -18,6 +18,12 @@ def register(app: typer.Typer) -> None:
         json_out: bool = JSON_OPTION,
     ) -> None:
         """Check every checksum, decode every tensor, and report the error against --reference. Exit 1 on a fault."""
+        from accel.converters.coreml.export import is_package
+
+        if is_package(path):  # a Core ML package from `accel export-ane`
+            from accel.cli.export_ane import verify_package_cli
+
+            return verify_package_cli(path, reference, json_out)
         from accel.eval.verify import verify_artifact
 
         report = verify_artifact(path, reference, BarProgress())

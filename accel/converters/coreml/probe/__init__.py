@@ -1,0 +1,1 @@
+"""The ANE probe: a macOS harness shipped inside each package, and the Linux side that reads its captures."""
