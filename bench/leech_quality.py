@@ -48,7 +48,7 @@ def main() -> int:
     (work / "calib.txt").write_text(text[half:], encoding="utf-8")
 
     calib = work / "calib"
-    if any(a != "fp32" and get_weight_method(a).needs_calibration for a in arms) and not calib.exists():
+    if any(a != "fp32" and get_weight_method(a).uses_calibration for a in arms) and not calib.exists():
         t = time.perf_counter()
         calibrate_weights(MODEL, work / "calib.txt", calib,
                           CalibSettings(samples=args.calib_samples, seq_len=args.seq_len))
@@ -66,7 +66,7 @@ def main() -> int:
             continue
         out = work / arm
         method = get_weight_method(arm)
-        settings = QuantizeSettings(weights=arm, group=64, calib=str(calib) if method.needs_calibration else None)
+        settings = QuantizeSettings(weights=arm, group=64, calib=str(calib) if method.uses_calibration else None)
         report = quantize_model(MODEL, out, settings, force=True)
         loaded = load_causal_lm(out)
         nll = window_nll(loaded.model, windows)

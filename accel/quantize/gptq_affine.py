@@ -60,5 +60,6 @@ def _gptq(bits: int):
 
 for _bits in (2, 3, 4):
     register_weight_method(WeightMethod(f"gptq{_bits}", f"GPTQ error feedback, {_bits}-bit asymmetric affine per group",
-                                        _gptq(_bits), needs_calibration=True, parallel=True))
+                                        _gptq(_bits), needs_calibration=True, uses_calibration=True,
+                                        parallel=True))
 

@@ -110,4 +110,4 @@ def _method(shells: tuple[int, ...]):
 
 for _name, _shells in RATES.items():
     register_weight_method(WeightMethod(_name, f"Leech lattice, stages on shells {_shells}", _method(_shells),
-                                        parallel=True))
+                                        uses_calibration=True, parallel=True))

@@ -32,6 +32,7 @@ class WeightMethod:
     description: str
     encode: Callable[[str, np.ndarray, WeightSettings], Encoded]
     needs_calibration: bool = False
+    uses_calibration: bool = False  # Hessians from --calib drive error feedback (optional unless needs_calibration)
     parallel: bool = False  # heavy numpy-only work: worth a process pool
 
 
