@@ -19,10 +19,11 @@ class Layout:
     name: ClassVar[str]
     registry: ClassVar[dict[str, Layout]] = {}
 
-    def __init_subclass__(cls, name: str, **kw):
+    def __init_subclass__(cls, name: str | None = None, **kw):
         super().__init_subclass__(**kw)
-        cls.name = name
-        Layout.registry[name] = cls()
+        if name is not None:  # codec-specific layouts (leech) are reached through Codec.layout_for instead
+            cls.name = name
+            Layout.registry[name] = cls()
 
     def supports(self, levels: int) -> bool:
         raise NotImplementedError

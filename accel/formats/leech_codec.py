@@ -125,8 +125,10 @@ def _unpack_flags(stored: np.ndarray, count: int) -> np.ndarray:
     return np.unpackbits(stored, count=count, bitorder="little")
 
 
-class _LeechServing(Layout, name="_leech-serving"):
+class _LeechServing(Layout):
     """Base of the leech serving layouts: they store the coordinates of the decoded points."""
+
+    name = "leech-serving"
 
     def __init__(self, max_shell: int = 13):
         self.max_shell = max_shell
@@ -145,7 +147,7 @@ class _LeechServing(Layout, name="_leech-serving"):
         return leech.point_to_index(points, self.max_shell)
 
 
-class LeechPlanesLayout(_LeechServing, name="leech-planes"):
+class LeechPlanesLayout(_LeechServing):
     """Bit planes: v = (x - parity) / 2 in b-bit two's complement, plane j = bit j of every coordinate
     (3 bytes per block per plane), then one parity bit per block. x = 2 * v + parity."""
 
@@ -174,7 +176,7 @@ class LeechPlanesLayout(_LeechServing, name="leech-planes"):
         return self._indices(2 * v + parity[:, None])
 
 
-class LeechOneHotLayout(_LeechServing, name="leech-onehot"):
+class LeechOneHotLayout(_LeechServing):
     """One-hot magnitude masks: |x| = 2k + parity; mask k (k = 1..K) marks the coordinates with that k (k = 0 has
     no mask), then a sign plane, each 3 bytes per block, then one parity bit per block."""
 
@@ -210,7 +212,3 @@ class LeechOneHotLayout(_LeechServing, name="leech-onehot"):
         x = (2 * k.reshape(count, BLOCK) + parity[:, None]) * np.where(sign.reshape(count, BLOCK), -1, 1)
         return self._indices(x.astype(np.int16))
 
-
-# the serving layouts are reached through LeechCodec.layout_for, not by bare name
-for _name in ("_leech-serving", "leech-planes", "leech-onehot"):
-    Layout.registry.pop(_name, None)
