@@ -118,12 +118,15 @@ class HessianStore:
             raise AccelError(f"--calib {calib_dir}: no Hessians (run `accel calibrate --for weights` first)")
         self.artifact = Artifact(path)
         self.key_of: dict[str, str] = self.artifact.extra.get("hessians", {})
+        self._last: tuple[str, np.ndarray] | None = None  # q/k/v and gate/up ask for the same matrix in a row
 
     def get(self, weight_name: str, in_features: int) -> np.ndarray:
         key = self.key_of.get(weight_name)
         if key is None:
             raise AccelError(f"--calib has no Hessian for '{weight_name}' (calibrated on a different model?)")
-        h = self.artifact.decode(key).astype(np.float64)
+        if self._last is None or self._last[0] != key:
+            self._last = (key, self.artifact.decode(key).astype(np.float64))
+        h = self._last[1]
         if h.shape != (in_features, in_features):
             raise AccelError(f"--calib Hessian for '{weight_name}' is {h.shape[0]}x{h.shape[1]}, but the layer "
                              f"has {in_features} inputs (calibrated on a different model?)")

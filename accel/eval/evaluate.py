@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from accel.errors import AccelError
 from accel.eval.data import read_text, token_windows
 from accel.eval.load import load_causal_lm
 from accel.eval.perplexity import window_nll
@@ -41,8 +42,6 @@ def evaluate(spec: str | Path, settings: EvalSettings, progress: Progress = SILE
         ref_loaded = load_causal_lm(settings.reference, progress)
         ref_windows = token_windows(ref_loaded.tokenizer, text, settings.seq_len, settings.windows)
         if ref_windows.shape != windows.shape or (ref_windows != windows).any():
-            from accel.errors import AccelError
-
             raise AccelError("the model and --reference tokenize the text differently; their NLLs cannot be paired")
         progress.stage(f"eval reference {Path(str(settings.reference)).name}", len(windows))
         ref = window_nll(ref_loaded.model, windows, progress.advance)

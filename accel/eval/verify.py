@@ -26,6 +26,7 @@ def verify_artifact(path: Path, reference: str | None = None, progress: Progress
         from accel.converters import open_model
 
         source = open_model(reference)
+    reference_names = set(source.tensor_names()) if source is not None else set()
     errors: list[str] = []
     rel_errors: dict[str, float] = {}
     max_abs = 0.0
@@ -48,7 +49,7 @@ def verify_artifact(path: Path, reference: str | None = None, progress: Progress
                 continue
             if source is None or art.entry(name).role not in ("quantized", "kept"):
                 continue
-            if name not in source.tensor_names():
+            if name not in reference_names:
                 errors.append(f"tensor '{name}': not in the reference model")
                 continue
             ref = source.load_tensor(name).astype(np.float64)
@@ -62,7 +63,7 @@ def verify_artifact(path: Path, reference: str | None = None, progress: Progress
             max_abs = max(max_abs, float(np.abs(diff).max()) if diff.size else 0.0)
         progress.close()
         if source is not None:
-            missing = sorted(n for n in source.tensor_names() if n not in art.owner)
+            missing = sorted(n for n in reference_names if n not in art.owner)
             errors.extend(f"tensor '{n}': in the reference but missing from the output" for n in missing)
     finally:
         art.close()

@@ -12,7 +12,7 @@ from functools import cache
 import numpy as np
 
 from accel.errors import FormatError
-from accel.formats.codecs import Codec, SidePart, _int_param, _require
+from accel.formats.codecs import Codec, Encoded, SidePart, _int_param, _require
 from accel.formats.layouts import Layout, get_layout
 
 BLOCK = 24
@@ -79,7 +79,6 @@ class LeechCodec(Codec, name="leech"):
     def encode(self, x, shells: tuple[int, ...] = (13,), seed_in: int = 0, seed_out: int = 1,
                hessian: np.ndarray | None = None):
         """Quantize a 2-D weight (see accel.quantize.leech_weights.quantize_leech)."""
-        from accel.formats.codecs import Encoded
         from accel.quantize.leech_weights import quantize_leech
 
         if np.ndim(x) != 2:

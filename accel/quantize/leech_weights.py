@@ -65,28 +65,31 @@ def quantize_leech(weight: np.ndarray, shells: tuple[int, ...], seed_in: int, se
     wt = transform_weight(w, seed_out, seed_in)
     scale16 = dtypes.to_storage(np.sqrt((wt**2).mean(axis=1)), "float16")
     scale = scale16.astype(np.float64)
-    scale[scale == 0] = 1.0  # an all-zero row: any scale decodes to the points times zero-ish; keep it finite
+    scale[scale == 0] = 1.0  # an all-zero row stores scale 0 (decodes to zeros); search it at scale 1
     alphas = stage_alphas(shells)
-    codes = [np.zeros((rows, padded // BLOCK), dtype=np.uint64) for _ in shells]
+    blocks = padded // BLOCK
+    codes = [np.zeros((rows, blocks), dtype=np.uint64) for _ in shells]
 
-    def quantize(a: int, ahead: np.ndarray) -> np.ndarray:
-        target = ahead[:, :BLOCK] / scale[:, None]
+    def stages(target: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+        """Each stage quantizes what the stages before it left: (indices per stage, the sum of their points)."""
         approx = np.zeros_like(target)
-        for i, (max_shell, alpha) in enumerate(zip(shells, alphas, strict=True)):
+        indices = []
+        for max_shell, alpha in zip(shells, alphas, strict=True):
             found = _search(target - approx, alpha, max_shell)
-            codes[i][:, a // BLOCK] = found.indices
+            indices.append(found.indices)
             approx += alpha * found.points
-        return approx * scale[:, None]
+        return indices, approx
 
-    if hessian is None:
-        flat = wt.reshape(rows, padded // BLOCK, BLOCK).transpose(1, 0, 2).reshape(-1, BLOCK)
-        scaled = flat / np.repeat(scale[None], padded // BLOCK, axis=0).reshape(-1)[:, None]
-        approx = np.zeros_like(scaled)
-        for i, (max_shell, alpha) in enumerate(zip(shells, alphas, strict=True)):
-            found = _search(scaled - approx, alpha, max_shell)
-            codes[i] = found.indices.reshape(padded // BLOCK, rows).T.copy()
-            approx += alpha * found.points
+    if hessian is None:  # every block at once
+        indices, _ = stages((wt / scale[:, None]).reshape(-1, BLOCK))
+        codes = [idx.reshape(rows, blocks) for idx in indices]
     else:
+        def quantize(a: int, ahead: np.ndarray) -> np.ndarray:
+            indices, approx = stages(ahead[:, :BLOCK] / scale[:, None])
+            for stream, idx in zip(codes, indices, strict=True):
+                stream[:, a // BLOCK] = idx
+            return approx * scale[:, None]
+
         h = np.zeros((padded, padded))
         h[:cols, :cols] = hessian
         u = damped_inverse_cholesky(transform_hessian(h, seed_in))
