@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from accel.calibrate.hessians import CalibSettings, calibrate_weights
+from accel.calibrate.run import CalibSettings, calibrate
 from accel.eval.data import pydoc_text, token_windows
 from accel.eval.load import load_causal_lm
 from accel.eval.perplexity import window_nll
@@ -50,8 +50,8 @@ def main() -> int:
     calib = work / "calib"
     if any(a != "fp32" and get_weight_method(a).uses_calibration for a in arms) and not calib.exists():
         t = time.perf_counter()
-        calibrate_weights(MODEL, work / "calib.txt", calib,
-                          CalibSettings(samples=args.calib_samples, seq_len=args.seq_len))
+        calibrate(MODEL, work / "calib.txt", calib, ["weights"],
+                  CalibSettings(samples=args.calib_samples, seq_len=args.seq_len))
         print(f"calibration: {time.perf_counter() - t:.0f} s", file=sys.stderr)
 
     ref = load_causal_lm(MODEL)

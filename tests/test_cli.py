@@ -198,7 +198,7 @@ def test_calibrate_then_gptq(capsys, tiny_llama, tmp_path, text_file):
     calib = tmp_path / "calib"
     c = run_json(capsys, "calibrate", tiny_llama, "--for", "weights", "--data", text_file, "--out", calib,
                  "--samples", "4", "--seq-len", "32")
-    assert c["layers"] == 14 and c["hessians"] == 8 and c["tokens"] == 4 * 32
+    assert c["weights"]["layers"] == 14 and c["weights"]["hessians"] == 8 and c["tokens"] == 4 * 32
     q = run_json(capsys, "quantize", tiny_llama, "--weights", "gptq3", "--calib", calib, "--out", tmp_path / "g3")
     assert q["quantized_tensors"] == 14
     assert run_json(capsys, "verify", tmp_path / "g3", "--reference", tiny_llama)["ok"]

@@ -5,43 +5,20 @@ Layers that read the same input (q/k/v, gate/up) share one matrix; the calibrati
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from accel import __version__
+from accel.calibrate.run import CalibContext, register_kind
 from accel.errors import AccelError
-from accel.eval.data import read_text, token_windows
 from accel.formats.artifact import Artifact, write_weights
-from accel.formats.atomic import atomic_write_text, output_dir
 from accel.formats.tensor import encode_tensor
 from accel.progress import SILENT, Progress
 from accel.quantize.methods import is_quantizable
 
-CALIB_MANIFEST = "calibration.json"
-HESSIAN_DIR = "hessians"
-
-
-@dataclass(frozen=True)
-class CalibSettings:
-    samples: int = 64
-    seq_len: int = 512
-    seed: int = 0
-
-
-def pick_windows(tokenizer, text: str, settings: CalibSettings) -> np.ndarray:
-    """`samples` non-overlapping windows drawn (seeded) from the whole text, in text order."""
-    if settings.samples < 1:
-        raise AccelError(f"--samples must be at least 1, got {settings.samples}")
-    windows = token_windows(tokenizer, text, settings.seq_len, None)
-    if len(windows) <= settings.samples:
-        return windows
-    pick = np.sort(np.random.default_rng(settings.seed).choice(len(windows), settings.samples, replace=False))
-    return windows[pick]
+HESSIAN_DIR = "weights"
 
 
 @torch.inference_mode()
@@ -86,27 +63,14 @@ def collect_hessians(model: torch.nn.Module, windows: np.ndarray, progress: Prog
     return {k: v / tokens for k, v in sums.items()}, dict(sorted(key_of.items()))
 
 
-def calibrate_weights(model: str, data: Path, out: Path, settings: CalibSettings, force: bool = False,
-                      progress: Progress = SILENT) -> dict[str, Any]:
-    """`accel calibrate --for weights`: write the Hessians of every quantizable layer into out/hessians."""
-    from accel.eval.load import load_causal_lm
-    from accel.quantize.pipeline import file_sha256
-
-    text = read_text(data)
-    loaded = load_causal_lm(model, progress)
-    windows = pick_windows(loaded.tokenizer, text, settings)
-    hessians, key_of = collect_hessians(loaded.model, windows, progress)
-    with output_dir(Path(out), force, inputs=[Path(model), Path(data)]) as tmp:
-        (tmp / HESSIAN_DIR).mkdir()
-        encoded = [encode_tensor(k, h.astype(np.float32), "raw", role="data", dtype="float32")
-                   for k, h in hessians.items()]
-        write_weights(tmp / HESSIAN_DIR, encoded, extra={"hessians": key_of, "tokens": int(windows.size)})
-        manifest = {"producer": f"accel {__version__}", "model": str(model), "for": ["weights"],
-                    "data": {Path(data).name: file_sha256(Path(data))}, "settings": asdict(settings),
-                    "tokens": int(windows.size), "layers": len(key_of)}
-        atomic_write_text(tmp / CALIB_MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    return {"out": str(out), "for": ["weights"], "tokens": int(windows.size), "windows": len(windows),
-            "hessians": len(hessians), "layers": len(key_of)}
+@register_kind("weights")
+def record_hessians(ctx: CalibContext) -> dict[str, Any]:
+    """`accel calibrate --for weights`: the Hessians of every quantizable layer, into <calib>/weights."""
+    hessians, key_of = collect_hessians(ctx.loaded.model, ctx.windows, ctx.progress)
+    encoded = [encode_tensor(k, h.astype(np.float32), "raw", role="data", dtype="float32")
+               for k, h in hessians.items()]
+    write_weights(ctx.out_dir, encoded, extra={"hessians": key_of, "tokens": int(ctx.windows.size)})
+    return {"hessians": len(hessians), "layers": len(key_of)}
 
 
 class HessianStore:

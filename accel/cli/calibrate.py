@@ -6,10 +6,7 @@ from pathlib import Path
 
 import typer
 
-from accel.cli.common import JSON_OPTION, BarProgress, emit_json, not_available, stdout
-from accel.errors import AccelError
-
-ISSUE_OF = {"weights": 3, "kv": 5, "state": 6}
+from accel.cli.common import JSON_OPTION, BarProgress, emit_json, stdout
 
 
 def register(app: typer.Typer) -> None:
@@ -26,18 +23,16 @@ def register(app: typer.Typer) -> None:
         json_out: bool = JSON_OPTION,
     ) -> None:
         """Run real text through MODEL and record statistics for quantization."""
-        kinds = [k.strip() for k in for_.split(",") if k.strip()]
-        if not kinds or any(k not in ISSUE_OF for k in kinds):
-            raise AccelError(f"--for {for_!r}: choose from weights, kv, state")
-        for kind in kinds:
-            if kind != "weights":
-                not_available(f"accel calibrate --for {kind}", ISSUE_OF[kind])
-        from accel.calibrate.hessians import CalibSettings, calibrate_weights
+        from accel.calibrate.run import CalibSettings, calibrate
 
-        report = calibrate_weights(model, data, out, CalibSettings(samples=samples, seq_len=seq_len, seed=seed),
-                                   force=force, progress=BarProgress())
+        kinds = [k.strip() for k in for_.split(",") if k.strip()]
+        report = calibrate(model, data, out, kinds, CalibSettings(samples=samples, seq_len=seq_len, seed=seed),
+                           force=force, progress=BarProgress())
         if json_out:
             emit_json(report)
             return
-        stdout.print(f"wrote {report['out']}: Hessians of {report['layers']} layers ({report['hessians']} distinct "
-                     f"inputs) from {report['windows']} windows, {report['tokens']} tokens")
+        stdout.print(f"wrote {report['out']}: {', '.join(report['for'])} from {report['windows']} windows, "
+                     f"{report['tokens']} tokens")
+        if "weights" in report:
+            stdout.print(f"  weights: Hessians of {report['weights']['layers']} layers "
+                         f"({report['weights']['hessians']} distinct inputs)")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from accel.cli.common import JSON_OPTION, BarProgress, emit_json, not_available, stdout
+from accel.cli.common import JSON_OPTION, BarProgress, emit_json, stdout
 
 
 def register(app: typer.Typer) -> None:
@@ -23,14 +23,10 @@ def register(app: typer.Typer) -> None:
         json_out: bool = JSON_OPTION,
     ) -> None:
         """Perplexity of MODEL on --data; with --reference, the paired ΔNLL and its bootstrap 95% interval."""
-        if kv:
-            not_available("accel eval --kv", 5)
-        if state:
-            not_available("accel eval --state", 6)
         from accel.eval.evaluate import EvalSettings, evaluate
 
         result = evaluate(model, EvalSettings(data=data, reference=reference, windows=windows, seq_len=seq_len,
-                                              seed=seed), BarProgress())
+                                              seed=seed, kv=kv, state=state), BarProgress())
         if json_out:
             emit_json(result)
             return

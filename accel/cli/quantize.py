@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from accel.cli.common import JSON_OPTION, BarProgress, emit_json, not_available, stdout
+from accel.cli.common import JSON_OPTION, BarProgress, emit_json, stdout
 
 
 def register(app: typer.Typer) -> None:
@@ -14,7 +14,7 @@ def register(app: typer.Typer) -> None:
     def quantize(
         model: str = typer.Argument(..., help="HF directory, .gguf file or alias (see `accel models`)."),
         out: Path = typer.Option(..., "--out", help="Output directory (refused if it exists, unless --force)."),
-        weights: str = typer.Option(None, "--weights", help="rtn2..rtn8 (leech2|3|4, gptq2|3|4 to come)."),
+        weights: str = typer.Option(None, "--weights", help="leech2|3|4, gptq2|3|4, hqq2|3|4, rtn2..rtn8."),
         group: int = typer.Option(64, "--group", help="Group size along the input axis for scalar grids."),
         calib: Path = typer.Option(None, "--calib", help="Calibration directory from `accel calibrate`."),
         layout: str = typer.Option(None, "--layout", help="Code layout: packed, base, planes, onehot."),
@@ -26,18 +26,16 @@ def register(app: typer.Typer) -> None:
         json_out: bool = JSON_OPTION,
     ) -> None:
         """Quantize MODEL and write an accel OUT_DIR (config, weights, tokenizer, accel.json)."""
-        if kv:
-            not_available("accel quantize --kv", 5)
-        if state:
-            not_available("accel quantize --state", 6)
         from accel.quantize.pipeline import QuantizeSettings, quantize_model
 
         settings = QuantizeSettings(weights=weights, group=group, layout=layout, seed=seed,
-                                    calib=str(calib) if calib else None)
+                                    calib=str(calib) if calib else None, kv=kv, state=state)
         report = quantize_model(model, out, settings, force=force, progress=BarProgress(), jobs=jobs)
         if json_out:
             emit_json(report)
             return
-        stdout.print(f"wrote {report['out']}: {report['quantized_tensors']} of {report['tensors']} tensors quantized "
-                     f"with {report['weights']}, {report['bits_per_weight']:.4f} bits/weight, "
-                     f"{report['seconds']:.1f} s, peak RSS {report['peak_rss_mb']:.0f} MB")
+        what = (f"{report['quantized_tensors']} of {report['tensors']} tensors quantized with {report['weights']}, "
+                f"{report['bits_per_weight']:.4f} bits/weight" if report["weights"] else "weights kept")
+        maps = "".join(f", {kind} map {method}" for kind, method in report["maps"].items())
+        stdout.print(f"wrote {report['out']}: {what}{maps}, {report['seconds']:.1f} s, "
+                     f"peak RSS {report['peak_rss_mb']:.0f} MB")

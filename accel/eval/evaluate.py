@@ -11,7 +11,7 @@ import torch
 from accel.errors import AccelError
 from accel.eval.data import read_text, token_windows
 from accel.eval.load import load_causal_lm
-from accel.eval.perplexity import window_nll
+from accel.eval.perplexity import decode_nll, window_nll
 from accel.eval.stats import paired_bootstrap
 from accel.progress import SILENT, Progress
 
@@ -23,6 +23,8 @@ class EvalSettings:
     windows: int | None = 32
     seq_len: int = 512
     seed: int = 0
+    kv: str | None = None  # --kv METHOD[:ARG]: a KV scheme applied at eval time (accel.quantize.maps)
+    state: str | None = None  # --state METHOD[:ARG]: a recurrent-state scheme applied at eval time
 
 
 def evaluate(spec: str | Path, settings: EvalSettings, progress: Progress = SILENT) -> dict[str, Any]:
@@ -31,13 +33,18 @@ def evaluate(spec: str | Path, settings: EvalSettings, progress: Progress = SILE
     torch.manual_seed(settings.seed)
     loaded = load_causal_lm(spec, progress)
     windows = token_windows(loaded.tokenizer, text, settings.seq_len, settings.windows)
-    progress.stage(f"eval {Path(str(spec)).name}", len(windows))
-    arm = window_nll(loaded.model, windows, progress.advance)
+    runtime, map_report = _map_runtime(loaded, settings)
+    progress.stage(f"eval {Path(str(spec)).name}" + (" (token by token)" if runtime else ""), len(windows))
+    if runtime is None:
+        arm = window_nll(loaded.model, windows, progress.advance)
+    else:
+        arm = decode_nll(loaded.model, windows, runtime.make_cache, progress.advance)
+        map_report.update(runtime.report())
     progress.close()
     del loaded
     result: dict[str, Any] = {"model": str(spec), "ppl": arm.ppl, "nll": arm.mean, "windows": len(windows),
                               "tokens": arm.tokens, "seq_len": settings.seq_len,
-                              "window_nll": [float(v) for v in arm.nll]}
+                              "window_nll": [float(v) for v in arm.nll], **map_report}
     if settings.reference is not None:
         ref_loaded = load_causal_lm(settings.reference, progress)
         ref_windows = token_windows(ref_loaded.tokenizer, text, settings.seq_len, settings.windows)
@@ -51,3 +58,23 @@ def evaluate(spec: str | Path, settings: EvalSettings, progress: Progress = SILE
                        "delta_nll": delta.mean, "delta_nll_ci": [delta.low, delta.high],
                        "ppl_ratio": arm.ppl / ref.ppl})
     return result
+
+
+def _map_runtime(loaded: Any, settings: EvalSettings) -> tuple[Any, dict[str, Any]]:
+    """The KV / state runtime to decode through (the OUT_DIR's map, or --kv / --state), and its report keys."""
+    from accel.quantize.maps import get_method, parse_spec
+
+    maps = dict(loaded.maps)
+    for kind in ("kv", "state"):
+        spec = getattr(settings, kind)
+        if spec is not None:
+            method, arg = parse_spec(kind, spec)
+            maps[kind] = method.from_eval_spec(arg, loaded.config)
+    if not maps:
+        return None, {}
+    if len(maps) > 1:
+        raise AccelError("a KV map and a state map together are not supported; apply one at a time")
+    kind, stored = next(iter(maps.items()))
+    method = get_method(kind, stored.method)
+    method.check(stored, loaded.config)
+    return method.runtime(stored, loaded.model), {kind: {"method": stored.method, "params": stored.params}}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ class LoadedModel:
     tokenizer: Any
     config: dict[str, Any]
     source_kind: str  # "accel" or "source"
+    maps: dict[str, Any] = field(default_factory=dict)  # kind -> accel.quantize.maps.StoredMap (OUT_DIRs only)
 
 
 def load_decoded_tensors(art: Artifact, progress: Progress = SILENT) -> dict[str, np.ndarray]:
@@ -47,13 +48,17 @@ def load_causal_lm(spec: str | Path, progress: Progress = SILENT) -> LoadedModel
         if not isinstance(art.config, dict):
             raise AccelError(f"{spec}: config.json is missing, so the model cannot be built")
         config = {k: v for k, v in art.config.items() if k != "accel"}
+        from accel.quantize.maps import check_maps, read_maps
+
+        maps = read_maps(art)
+        check_maps(maps, config)  # a map for another model is refused before any weight is decoded
         tensors = load_decoded_tensors(art, progress)
         model = build_transformers_model(config, tensors)
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(spec))
         except (OSError, ValueError) as exc:
             raise AccelError(f"{spec}: cannot load its tokenizer ({str(exc).splitlines()[0]})") from None
-        return LoadedModel(model, tokenizer, config, "accel")
+        return LoadedModel(model, tokenizer, config, "accel", maps)
     with open_model(spec) as source:
         names = source.tensor_names()
         progress.stage("loading weights", len(names))

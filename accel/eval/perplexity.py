@@ -36,3 +36,25 @@ def window_nll(model: torch.nn.Module, windows: np.ndarray, on_window: Callable[
         if on_window:
             on_window()
     return WindowNLL(nll=out, tokens=int(windows.shape[0] * (windows.shape[1] - 1)))
+
+
+@torch.inference_mode()
+def decode_nll(model: torch.nn.Module, windows: np.ndarray, make_cache: Callable[[], object],
+               on_window: Callable[[], None] | None = None) -> WindowNLL:
+    """Teacher-forced NLL decoded one token at a time through a fresh cache per window.
+
+    Every attention read (or recurrent-state read) goes through the cache `make_cache()` returns, which is how a
+    quantized KV cache or state cache is measured rather than simulated.
+    """
+    out = np.empty(len(windows), dtype=np.float64)
+    for i, window in enumerate(windows):
+        ids = torch.from_numpy(np.ascontiguousarray(window))[None]
+        cache = make_cache()
+        total = 0.0
+        for t in range(ids.shape[1] - 1):
+            logits = model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).logits[0, -1].float()
+            total -= float(torch.log_softmax(logits, dim=-1)[ids[0, t + 1]].double())
+        out[i] = total / (ids.shape[1] - 1)
+        if on_window:
+            on_window()
+    return WindowNLL(nll=out, tokens=int(windows.shape[0] * (windows.shape[1] - 1)))

@@ -14,13 +14,15 @@ from typing import Any
 import numpy as np
 
 from accel import __version__
+from accel.calibrate import CALIB_MANIFEST
 from accel.errors import AccelError
 from accel.formats.artifact import MANIFEST_FILE, Artifact, write_weights
 from accel.formats.atomic import atomic_write_text, check_output_dir, output_dir
 from accel.formats.layouts import get_layout
 from accel.formats.tensor import encode_tensor
 from accel.progress import SILENT, Progress
-from accel.quantize.methods import WeightSettings, get_weight_method, is_quantizable
+from accel.quantize.maps import BuildContext, encode_map, parse_spec
+from accel.quantize.methods import WeightMethod, WeightSettings, get_weight_method, is_quantizable
 from accel.quantize.parallel import FixedHessian, default_jobs, encode_one, worker_pool
 
 
@@ -31,6 +33,8 @@ class QuantizeSettings:
     layout: str | None = None
     seed: int = 0
     calib: str | None = None
+    kv: str | None = None  # --kv METHOD[:ARG] (accel.quantize.maps)
+    state: str | None = None  # --state METHOD[:ARG]
     max_shard_bytes: int = 2 * 1024**3
 
 
@@ -43,15 +47,37 @@ def file_sha256(path: Path) -> str:
 
 
 def _check_settings(settings: QuantizeSettings) -> None:
-    if settings.weights is None:
-        raise AccelError("nothing to quantize: pass --weights (for example --weights rtn4)")
-    method = get_weight_method(settings.weights)
+    if settings.weights is None and settings.kv is None and settings.state is None:
+        raise AccelError("nothing to quantize: pass --weights (for example --weights rtn4), --kv or --state")
+    for kind in ("kv", "state"):
+        if getattr(settings, kind) is not None:
+            parse_spec(kind, getattr(settings, kind))
     if settings.group < 1:
         raise AccelError(f"--group must be positive, got {settings.group}")
+    if settings.weights is None:
+        return
+    method = get_weight_method(settings.weights)
     if settings.layout is not None:
         get_layout(settings.layout)
     if method.needs_calibration and settings.calib is None:
         raise AccelError(f"--weights {settings.weights} needs --calib (run `accel calibrate --for weights` first)")
+
+
+def _build_maps(model: str, config: dict[str, Any], settings: QuantizeSettings, progress: Progress
+                ) -> dict[str, Any]:
+    """The --kv / --state maps, built (and checked against the model) before any weight work."""
+    maps = {}
+    for kind in ("kv", "state"):
+        spec = getattr(settings, kind)
+        if spec is None:
+            continue
+        map_method, arg = parse_spec(kind, spec)
+        ctx = BuildContext(model=model, config=config, calib=Path(settings.calib) if settings.calib else None,
+                           seed=settings.seed, progress=progress)
+        stored = map_method.build(arg, ctx)
+        map_method.check(stored, config)
+        maps[kind] = stored
+    return maps
 
 
 def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: bool = False,
@@ -68,9 +94,9 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
     jobs = default_jobs() if jobs is None else jobs
     _check_settings(settings)
     check_output_dir(Path(out), force)
-    method = get_weight_method(settings.weights)
+    method: WeightMethod | None = get_weight_method(settings.weights) if settings.weights else None
     hessians = None
-    if settings.calib is not None:
+    if settings.calib is not None and method is not None and method.uses_calibration:
         from accel.calibrate.hessians import HessianStore
 
         hessians = HessianStore(Path(settings.calib))
@@ -78,16 +104,17 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
                                      hessians=hessians)
     with open_model(model) as source:
         inputs = sorted({Path(p) for p in source.input_files})
+        maps = _build_maps(model, dict(source.config), settings, progress)
         with output_dir(Path(out), force, inputs=inputs + [Path(model)]) as tmp:
             names = source.tensor_names()
-            progress.stage(f"quantizing ({settings.weights})", len(names))
+            progress.stage(f"quantizing ({settings.weights or 'weights kept'})", len(names))
             results: dict[str, Any] = {}
-            with worker_pool(jobs if method.parallel else 1) as pool:
+            with worker_pool(jobs if method is not None and method.parallel else 1) as pool:
                 for name in names:
                     x = source.load_tensor(name)
                     if not np.isfinite(x).all():
                         raise AccelError(f"tensor '{name}' holds NaN or Inf values; refusing to quantize it")
-                    if not is_quantizable(name, x.shape):
+                    if method is None or not is_quantizable(name, x.shape):
                         results[name] = encode_tensor(name, x, "raw", role="kept", dtype=source.tensor_dtype(name))
                         progress.advance()
                         continue
@@ -105,21 +132,27 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
             encoded = [results[name] for name in names]
             del results
             progress.close()
-            write_weights(tmp, encoded, settings.max_shard_bytes)
+            maps_doc = {}
+            for kind, stored in maps.items():
+                maps_doc[kind], map_tensors = encode_map(stored)
+                encoded.extend(map_tensors)
+            write_weights(tmp, encoded, settings.max_shard_bytes, extra={"maps": maps_doc} if maps_doc else None)
             source.save_support_files(tmp)
             config = dict(source.config)
-            config["accel"] = {"format_version": 1, "weights": settings.weights}
+            config["accel"] = {"format_version": 1, "weights": settings.weights,
+                               **{kind: getattr(settings, kind) for kind in maps}}
             (tmp / "config.json").write_bytes(config_json_bytes(config))
             summary = {e.name: {"codec": e.codec, "layout": e.layout, "role": e.role,
                                 "bytes": int(sum(a.nbytes for a in arrays.values()))} for e, arrays in encoded}
             del encoded
-            hashed = inputs + ([Path(settings.calib) / "calibration.json"] if settings.calib else [])
+            hashed = inputs + ([Path(settings.calib) / CALIB_MANIFEST] if settings.calib else [])
             manifest = {
                 "producer": f"accel {__version__}",
                 "source": str(model),
-                "inputs": {p.name: file_sha256(p) for p in hashed},
+                "inputs": {p.name: file_sha256(p) for p in hashed if p.is_file()},
                 "settings": asdict(settings),
                 "tensors": summary,
+                "maps": {kind: {"method": m.method, "params": m.params} for kind, m in maps.items()},
             }
             atomic_write_text(tmp / MANIFEST_FILE, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
             art = Artifact(tmp)
@@ -132,7 +165,8 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
         "seconds": time.perf_counter() - started,
         "peak_rss_mb": max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF,
                                                                           resource.RUSAGE_CHILDREN)) / 1024.0,
-        "jobs": jobs if method.parallel else 1,
+        "jobs": jobs if method is not None and method.parallel else 1,
+        "maps": {kind: m.method for kind, m in maps.items()},
         "tensors": len(summary),
         "quantized_tensors": sum(1 for s in summary.values() if s["role"] == "quantized"),
     }

@@ -1,0 +1,109 @@
+"""`accel calibrate` as one library call: load the model once, run every requested kind into one directory.
+
+Each kind (weights, kv, state) is a function registered with `register_kind`; it gets a `CalibContext` and writes
+into its own subdirectory of the calibration directory. `calibration.json` records the model, the data's sha256,
+the settings and each kind's report.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from accel import __version__
+from accel.calibrate import CALIB_MANIFEST
+from accel.errors import AccelError
+from accel.eval.data import read_text, token_windows
+from accel.formats.atomic import atomic_write_text, output_dir
+from accel.progress import SILENT, Progress
+
+# kind -> (module that registers it, issue that tracks it)
+KIND_MODULES = {"weights": ("accel.calibrate.hessians", 3), "kv": ("accel.calibrate.kv", 5),
+                "state": ("accel.calibrate.state", 6)}
+
+
+@dataclass(frozen=True)
+class CalibSettings:
+    samples: int = 64
+    seq_len: int = 512
+    seed: int = 0
+
+
+@dataclass
+class CalibContext:
+    """What a calibration kind gets: the loaded model, the text, the drawn windows, its own output directory."""
+
+    model_spec: str
+    loaded: Any  # accel.eval.load.LoadedModel
+    text: str
+    windows: np.ndarray  # [samples, seq_len] token ids drawn with the seed
+    out_dir: Path  # this kind's subdirectory (created, empty)
+    settings: CalibSettings
+    progress: Progress = SILENT
+
+
+CalibKind = Callable[[CalibContext], dict[str, Any]]
+_KINDS: dict[str, CalibKind] = {}
+
+
+def register_kind(name: str) -> Callable[[CalibKind], CalibKind]:
+    def wrap(fn: CalibKind) -> CalibKind:
+        _KINDS[name] = fn
+        return fn
+    return wrap
+
+
+def get_kind(name: str) -> CalibKind:
+    if name not in KIND_MODULES:
+        raise AccelError(f"--for {name!r}: choose from {', '.join(KIND_MODULES)}")
+    module, issue = KIND_MODULES[name]
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name != module:
+            raise
+    if name not in _KINDS:
+        raise AccelError(f"accel calibrate --for {name} is not available yet (tracked in issue #{issue})")
+    return _KINDS[name]
+
+
+def pick_windows(tokenizer, text: str, settings: CalibSettings) -> np.ndarray:
+    """`samples` non-overlapping windows drawn (seeded) from the whole text, in text order."""
+    if settings.samples < 1:
+        raise AccelError(f"--samples must be at least 1, got {settings.samples}")
+    windows = token_windows(tokenizer, text, settings.seq_len, None)
+    if len(windows) <= settings.samples:
+        return windows
+    pick = np.sort(np.random.default_rng(settings.seed).choice(len(windows), settings.samples, replace=False))
+    return windows[pick]
+
+
+def calibrate(model: str, data: Path, out: Path, kinds: list[str], settings: CalibSettings, force: bool = False,
+              progress: Progress = SILENT) -> dict[str, Any]:
+    """Run the requested kinds on MODEL over DATA into OUT; returns {out, for, windows, tokens, <kind>: report}."""
+    from accel.eval.load import load_causal_lm
+    from accel.quantize.pipeline import file_sha256
+
+    if not kinds:
+        raise AccelError("--for is empty: choose from weights, kv, state")
+    runners = {kind: get_kind(kind) for kind in dict.fromkeys(kinds)}
+    text = read_text(data)
+    loaded = load_causal_lm(model, progress)
+    windows = pick_windows(loaded.tokenizer, text, settings)
+    reports: dict[str, Any] = {}
+    with output_dir(Path(out), force, inputs=[Path(model), Path(data)]) as tmp:
+        for kind, run in runners.items():
+            (tmp / kind).mkdir()
+            reports[kind] = run(CalibContext(str(model), loaded, text, windows, tmp / kind, settings, progress))
+        manifest = {"producer": f"accel {__version__}", "model": str(model), "for": list(runners),
+                    "data": {Path(data).name: file_sha256(Path(data))}, "settings": asdict(settings),
+                    "tokens": int(windows.size), "windows": len(windows), "reports": reports}
+        atomic_write_text(tmp / CALIB_MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return {"out": str(out), "for": list(runners), "windows": len(windows), "tokens": int(windows.size),
+            **reports}
