@@ -37,8 +37,12 @@ def load_decoded_tensors(art: Artifact, progress: Progress = SILENT) -> dict[str
     return tensors
 
 
-def load_causal_lm(spec: str | Path, progress: Progress = SILENT) -> LoadedModel:
-    """A transformers model for a source model spec or an accel OUT_DIR (weights decoded to float32)."""
+def load_causal_lm(spec: str | Path, progress: Progress = SILENT, kernels: bool = False) -> LoadedModel:
+    """A transformers model for a source model spec or an accel OUT_DIR (weights decoded to float32).
+
+    kernels: an OUT_DIR's quantized linear weights stay in their stored form behind QuantLinear modules (fused
+    decode kernels, accel.kernels) instead of being decoded; a source model is dense either way.
+    """
     from transformers import AutoTokenizer
 
     from accel.converters import build_transformers_model, open_model
@@ -52,8 +56,12 @@ def load_causal_lm(spec: str | Path, progress: Progress = SILENT) -> LoadedModel
 
         maps = read_maps(art)
         check_maps(maps, config)  # a map for another model is refused before any weight is decoded
-        tensors = load_decoded_tensors(art, progress)
-        model = build_transformers_model(config, tensors)
+        if kernels:
+            from accel.kernels.loading import build_kernel_model
+
+            model = build_kernel_model(art, config, progress)
+        else:
+            model = build_transformers_model(config, load_decoded_tensors(art, progress))
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(spec))
         except (OSError, ValueError) as exc:

@@ -1,0 +1,128 @@
+"""Build the C kernels with gcc on first use and load them through ctypes.
+
+The shared library is cached under $ACCEL_KERNEL_CACHE (default ~/.cache/accel/kernels) in a file named by the
+SHA-256 of the source, the compiler command and the CPU (flags, model), since -march=native code is only valid on
+the CPU it was built for. A build writes to a temporary name in the cache directory and renames it into place, so
+concurrent first uses (test workers, spawn pools) never load a half-written file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+from accel.errors import AccelError
+
+SOURCE = Path(__file__).with_name("csrc") / "accel_kernels.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11")
+
+
+class KernelUnavailable(AccelError):
+    """The CPU kernels cannot be built or loaded here (no C compiler, or the build failed)."""
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("ACCEL_KERNEL_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "accel" / "kernels"
+
+
+def _cpu_identity() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if not cc:
+        raise KernelUnavailable("the accel CPU kernels need a C compiler (gcc) on PATH; none was found "
+                                "(run without --kernels to decode weights to dense instead)")
+    return cc
+
+
+def library_path() -> Path:
+    """Where the library for this source, compiler and CPU lives (built if missing)."""
+    cc = _compiler()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise KernelUnavailable(f"the C compiler {cc!r} does not run: {exc}") from None
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_identity().encode(),
+                 platform.machine().encode()):
+        key.update(hashlib.sha256(part).digest())
+    target = cache_dir() / f"accel_kernels-{key.hexdigest()[:24]}.so"
+    if not target.exists():
+        _build(cc, target)
+    return target
+
+
+def _build(cc: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        run = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], check=False, capture_output=True,
+                             text=True)
+        if run.returncode != 0:
+            raise KernelUnavailable(f"building the accel CPU kernels failed ({cc}):\n{run.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)  # atomic: a concurrent build of the same key writes identical bytes
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+_i64, _i32, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+
+_SIGNATURES = {
+    "accel_simd_available": ([], _i32),
+    "accel_set_simd": ([_i32], _i32),
+    "accel_half_to_float": ([ctypes.c_uint16], _f32),
+    "accel_rht": ([_ptr, _i64, _i64, _ptr, _ptr, _i64, _i32, _i32], _i32),
+    "accel_affine_matvec": ([_ptr, _i64, _i32, _i32, _i32, _i32, _i32, _i32, _ptr, _ptr, _i64, _i64, _i64, _ptr,
+                             _ptr, _i32], _i32),
+    "accel_affine_decode_rows": ([_ptr, _i64, _i32, _i32, _i32, _i32, _i32, _i32, _ptr, _ptr, _i64, _i64, _i64,
+                                  _i64, _i64, _ptr, _i32], _i32),
+    "accel_leech_matvec": ([_i32, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr,
+                            _ptr, _i64, _ptr, _ptr, _i32], _i32),
+    "accel_leech_decode_rows": ([_i32, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i32],
+                                _i32),
+    "accel_copy": ([_ptr, _ptr, _i64, _i32], None),
+}
+
+
+@cache
+def library() -> ctypes.CDLL:
+    """The loaded kernel library, with argument types set; raises KernelUnavailable."""
+    try:
+        import torch  # noqa: F401  (load torch's OpenMP runtime first, so both share one thread pool)
+    except ImportError:
+        pass
+    path = library_path()
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise KernelUnavailable(f"cannot load the accel CPU kernels from {path}: {exc}") from None
+    for name, (args, res) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = args
+        fn.restype = res
+    return lib
+
+
+def available() -> bool:
+    try:
+        library()
+    except KernelUnavailable:
+        return False
+    return True

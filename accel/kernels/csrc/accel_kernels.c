@@ -1,0 +1,952 @@
+/* accel CPU kernels: fused decode + matrix-vector products over accel's stored weight layouts.
+ *
+ * Every kernel reads the stored bytes as the format library wrote them (docs/format.md) and never builds the
+ * dense weight matrix; rows are split between OpenMP threads. Accumulation is float32. Each kernel has an
+ * AVX-512 path (used when compiled with -march=native on a CPU that has AVX-512 F/BW/VL) and a portable scalar
+ * path; accel_set_simd(0) forces the scalar path so both can be tested on one machine.
+ *
+ * Layouts (n = number of codes, rows x cols, row-major):
+ *   affine packed : bit stream, code i at bits [i*b, (i+1)*b), b = 1..8
+ *   affine base   : groups of g codes, group value sum q_j L^j stored at B bits in a bit stream
+ *   leech planes  : per stage, `bits` planes of 3*nblk bytes (bit 24k+i = bit j of v = (x - p_k)/2 of block k,
+ *                   coordinate i, two's complement), then nblk parity bits
+ *   leech onehot  : per stage, K magnitude masks (|x| = 2k + p), a sign plane, each 3*nblk bytes, then parity
+ * All functions return 0, or a negative number for arguments they refuse.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#include <immintrin.h>
+#define HAVE_AVX512 1
+#else
+#define HAVE_AVX512 0
+#endif
+
+#define API __attribute__((visibility("default")))
+
+static int g_simd = HAVE_AVX512;
+
+API int accel_simd_available(void) { return HAVE_AVX512; }
+
+API float accel_half_to_float(uint16_t h);
+
+API int accel_set_simd(int on) {
+    g_simd = on && HAVE_AVX512;
+    return g_simd;
+}
+
+/* ------------------------------------------------------------------------------------------------ helpers */
+
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ffu, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalize */
+            int e = -1;
+            do {
+                man <<= 1;
+                e++;
+            } while (!(man & 0x400u));
+            bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ffu) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+API float accel_half_to_float(uint16_t h) { return half_to_float(h); }
+
+/* scale/offset arrays are float16 (is_f32 = 0) or float32 */
+static inline float side_value(const void *p, int is_f32, int64_t i) {
+    return is_f32 ? ((const float *)p)[i] : half_to_float(((const uint16_t *)p)[i]);
+}
+
+static int threads_for(int requested, double work) {
+    int n = requested > 0 ? requested : omp_get_max_threads();
+    if (work < 65536.0) n = 1; /* a fork costs more than the work */
+    return n < 1 ? 1 : n;
+}
+
+static void *xalloc(size_t bytes) {
+    size_t size = (bytes + 63) / 64 * 64;
+    return aligned_alloc(64, size ? size : 64);
+}
+
+/* code i (width `bits` <= 8) of a little-endian bit stream; reads only bytes that hold its bits */
+static inline unsigned get_code(const uint8_t *p, uint64_t bitpos, int bits) {
+    uint64_t byte = bitpos >> 3;
+    unsigned sh = (unsigned)(bitpos & 7);
+    unsigned v = p[byte];
+    if (sh + (unsigned)bits > 8) v |= (unsigned)p[byte + 1] << 8;
+    return (v >> sh) & ((1u << bits) - 1u);
+}
+
+/* `nbits` <= 57 bits of a stream of `nbytes` bytes starting at bit `bitpos`, without reading past the end */
+static inline uint64_t get_bits(const uint8_t *p, int64_t nbytes, uint64_t bitpos, int nbits) {
+    uint64_t byte = bitpos >> 3, word = 0;
+    int64_t avail = nbytes - (int64_t)byte;
+    if (avail >= 8) {
+        memcpy(&word, p + byte, 8);
+    } else {
+        memcpy(&word, p + byte, (size_t)(avail > 0 ? avail : 0));
+    }
+    word >>= (bitpos & 7);
+    return nbits >= 64 ? word : word & ((1ull << nbits) - 1ull);
+}
+
+/* group value of width B <= 64 at bit `bitpos` */
+static inline uint64_t get_wide(const uint8_t *p, int64_t nbytes, uint64_t bitpos, int B) {
+    if (B <= 57) return get_bits(p, nbytes, bitpos, B);
+    uint64_t lo = get_bits(p, nbytes, bitpos, 32);
+    uint64_t hi = get_bits(p, nbytes, bitpos + 32, B - 32);
+    return lo | (hi << 32);
+}
+
+#if HAVE_AVX512
+static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
+#endif
+
+/* ------------------------------------------------------------------------------------ fast Hadamard / RHT */
+
+static void fwht(float *v, int64_t n) {
+    for (int64_t h = 1; h < n; h *= 2) {
+        for (int64_t i = 0; i < n; i += 2 * h) {
+            float *a = v + i, *b = v + i + h;
+            for (int64_t j = 0; j < h; j++) {
+                float x = a[j], y = b[j];
+                a[j] = x + y;
+                b[j] = x - y;
+            }
+        }
+    }
+}
+
+static int g_rht_threads = 1; /* threads of a single transform's rotation (set by the fused matvec) */
+
+/* dst (m x P) = mat (m x m) . src (m x P): four output rows at a time, so four FMA chains share each load */
+static void rotate(const float *mat, int64_t m, int64_t P, const float *src, float *dst) {
+#if HAVE_AVX512
+    if (g_simd && P % 8 == 0) {
+        int nt = threads_for(g_rht_threads, (double)m * m * P);
+#pragma omp parallel for num_threads(nt) schedule(static)
+        for (int64_t ib = 0; ib < (m + 3) / 4; ib++) {
+            const int64_t i0 = ib * 4;
+            const float *r0 = mat + i0 * m, *r1 = mat + (i0 + 1 < m ? i0 + 1 : m - 1) * m,
+                        *r2 = mat + (i0 + 2 < m ? i0 + 2 : m - 1) * m, *r3 = mat + (i0 + 3 < m ? i0 + 3 : m - 1) * m;
+            for (int64_t k = 0; k < P; k += 16) {
+                const __mmask16 km = P - k >= 16 ? (__mmask16)0xffff : (__mmask16)0xff;
+                __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                for (int64_t j = 0; j < m; j++) {
+                    const __m512 v = _mm512_maskz_loadu_ps(km, src + j * P + k);
+                    a0 = _mm512_fmadd_ps(_mm512_set1_ps(r0[j]), v, a0);
+                    a1 = _mm512_fmadd_ps(_mm512_set1_ps(r1[j]), v, a1);
+                    a2 = _mm512_fmadd_ps(_mm512_set1_ps(r2[j]), v, a2);
+                    a3 = _mm512_fmadd_ps(_mm512_set1_ps(r3[j]), v, a3);
+                }
+                _mm512_mask_storeu_ps(dst + i0 * P + k, km, a0);
+                if (i0 + 1 < m) _mm512_mask_storeu_ps(dst + (i0 + 1) * P + k, km, a1);
+                if (i0 + 2 < m) _mm512_mask_storeu_ps(dst + (i0 + 2) * P + k, km, a2);
+                if (i0 + 3 < m) _mm512_mask_storeu_ps(dst + (i0 + 3) * P + k, km, a3);
+            }
+        }
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < m; i++) {
+        float *d = dst + i * P;
+        for (int64_t k = 0; k < P; k++) d[k] = 0.0f;
+        for (int64_t j = 0; j < m; j++) {
+            const float r = mat[i * m + j], *s = src + j * P;
+            for (int64_t k = 0; k < P; k++) d[k] = fmaf(r, s[k], d[k]);
+        }
+    }
+}
+
+/* v <- (mat (x) I_P) v, in place */
+static void mix(float *v, int64_t n, const float *mat, int64_t m, float *tmp) {
+    if (m > 1) {
+        rotate(mat, m, n / m, v, tmp);
+        memcpy(v, tmp, (size_t)n * sizeof(float));
+    } else if (mat[0] != 1.0f) {
+        for (int64_t i = 0; i < n; i++) v[i] *= mat[0];
+    }
+}
+
+/* Q v (forward: mat = R_m) or Q^T v (inverse: mat = R_m^T, contiguous) for Q = (R_m (x) H_P / sqrt(P)) diag(sign),
+ * n = m * P; tmp holds n floats */
+static void rht_one(float *v, int64_t n, const float *sign, const float *mat, int64_t m, int inverse, float *tmp) {
+    int64_t P = n / m;
+    float norm = (float)(1.0 / sqrt((double)P));
+    if (inverse) mix(v, n, mat, m, tmp);
+    else
+        for (int64_t i = 0; i < n; i++) v[i] *= sign[i];
+    for (int64_t i = 0; i < m; i++) {
+        fwht(v + i * P, P);
+        for (int64_t k = 0; k < P; k++) v[i * P + k] *= norm;
+    }
+    if (!inverse) mix(v, n, mat, m, tmp);
+    else
+        for (int64_t i = 0; i < n; i++) v[i] *= sign[i];
+}
+
+/* in place on nvec contiguous vectors of length n */
+API int accel_rht(float *data, int64_t nvec, int64_t n, const float *sign, const float *mat, int64_t m, int inverse,
+                  int nthreads) {
+    if (n < 1 || m < 1 || n % m || nvec < 0) return -1;
+    int64_t P = n / m;
+    if (P & (P - 1)) return -1;
+    int nt = threads_for(nthreads, (double)nvec * n * 8);
+#pragma omp parallel num_threads(nt)
+    {
+        float *tmp = xalloc((size_t)n * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < nvec; i++) rht_one(data + i * n, n, sign, mat, m, inverse, tmp);
+        free(tmp);
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------- affine (packed) */
+
+typedef struct {
+    const uint8_t *codes;
+    int64_t nbytes; /* of the code stream */
+    int bits, levels, symmetric, scale_f32, base_g, base_B;
+    const void *scale, *offset;
+    int64_t rows, cols, group, ngroups;
+} Affine;
+
+/* per row: float scales into sc and the row's constant term sum_g coef_g * gsum_g */
+static float affine_row_sides(const Affine *a, int64_t r, const float *gsum, float *sc) {
+    const int64_t ng = a->ngroups, first = r * ng;
+    float mid = 0.5f * (float)(a->levels - 1);
+#if HAVE_AVX512
+    if (g_simd) {
+        __m512 extra = _mm512_setzero_ps();
+        for (int64_t g = 0; g < ng; g += 16) {
+            int64_t left = ng - g;
+            __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+            __m512 s, coef;
+            if (a->scale_f32) {
+                s = _mm512_maskz_loadu_ps(m, (const float *)a->scale + first + g);
+            } else {
+                s = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)a->scale + first + g));
+            }
+            _mm512_mask_storeu_ps(sc + g, m, s);
+            if (a->symmetric) {
+                coef = _mm512_mul_ps(s, _mm512_set1_ps(-mid));
+            } else if (a->scale_f32) {
+                coef = _mm512_maskz_loadu_ps(m, (const float *)a->offset + first + g);
+            } else {
+                coef = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)a->offset + first + g));
+            }
+            extra = _mm512_fmadd_ps(coef, _mm512_maskz_loadu_ps(m, gsum + g), extra);
+        }
+        return hsum(extra);
+    }
+#endif
+    float extra = 0.0f;
+    for (int64_t g = 0; g < ng; g++) {
+        sc[g] = side_value(a->scale, a->scale_f32, first + g);
+        float coef = a->symmetric ? -sc[g] * mid : side_value(a->offset, a->scale_f32, first + g);
+        extra += coef * gsum[g];
+    }
+    return extra;
+}
+
+static float affine_row_generic(const Affine *a, int64_t r, const float *x, const float *gsum, float *sc) {
+    float total = affine_row_sides(a, r, gsum, sc);
+    for (int64_t g = 0; g < a->ngroups; g++) {
+        int64_t c0 = g * a->group, c1 = c0 + a->group < a->cols ? c0 + a->group : a->cols;
+        float d = 0.0f;
+        for (int64_t c = c0; c < c1; c++)
+            d += (float)get_code(a->codes, (uint64_t)(r * a->cols + c) * (uint64_t)a->bits, a->bits) * x[c];
+        total += sc[g] * d;
+    }
+    return total;
+}
+
+#if HAVE_AVX512
+#define AI static inline __attribute__((always_inline))
+
+/* a 16-bit mask straight from memory: kmovw k, m16 is a load, while the compiler's own choice (a GPR load, then
+ * kmovw k, r32) spends a vector-port uop per mask, which the masked adds need */
+AI __mmask16 ldmask(const uint8_t *p) {
+    __mmask16 k;
+    __asm__("kmovw %1, %0" : "=k"(k) : "m"(*(const uint16_t *)p));
+    return k;
+}
+
+/* codes -> floats by vpermps: it reads only the low 4 bits of each lane, so a 16-entry table maps a lane holding
+ * (byte >> shift) straight to the code's value, without a mask or an int -> float conversion */
+AI __m512 code_table(const int bits) {
+    return bits == 4 ? _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+                     : _mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+}
+
+/* 16 bytes of codes (v: one byte per 32-bit lane) times their inputs, added to d0..d3 */
+AI void affine_step_t(__m512i v, __mmask16 m, const float *z0, const float *z1, const float *z2, const float *z3,
+                      __m512 *d0, __m512 *d1, __m512 *d2, __m512 *d3, const int bits) {
+    if (bits == 8) {
+        *d0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_maskz_loadu_ps(m, z0), *d0);
+    } else if (bits == 4) {
+        const __m512 t = code_table(4);
+        *d0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(v, t), _mm512_maskz_loadu_ps(m, z0), *d0);
+        *d1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), t), _mm512_maskz_loadu_ps(m, z1), *d1);
+    } else {
+        const __m512 t = code_table(2);
+        *d0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(v, t), _mm512_maskz_loadu_ps(m, z0), *d0);
+        *d1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 2), t), _mm512_maskz_loadu_ps(m, z1), *d1);
+        *d2 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), t), _mm512_maskz_loadu_ps(m, z2), *d2);
+        *d3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 6)), _mm512_maskz_loadu_ps(m, z3), *d3);
+    }
+}
+
+/* sum over one group's bytes [b0, b1) of codes * inputs; zk: the input for code k of each byte */
+AI __m512 affine_group_t(const uint8_t *row, int64_t b0, int64_t b1, const float *z0, const float *z1,
+                         const float *z2, const float *z3, const int bits) {
+    __m512 d0 = _mm512_setzero_ps(), d1 = _mm512_setzero_ps(), d2 = _mm512_setzero_ps(), d3 = _mm512_setzero_ps();
+    __m512 e0 = _mm512_setzero_ps(), e1 = _mm512_setzero_ps(), e2 = _mm512_setzero_ps(), e3 = _mm512_setzero_ps();
+    int64_t b = b0;
+    for (; b + 32 <= b1; b += 32) { /* two independent chains */
+        __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + b)));
+        __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + b + 16)));
+        affine_step_t(v, 0xffff, z0 + b, z1 + b, z2 + b, z3 + b, &d0, &d1, &d2, &d3, bits);
+        affine_step_t(w, 0xffff, z0 + b + 16, z1 + b + 16, z2 + b + 16, z3 + b + 16, &e0, &e1, &e2, &e3, bits);
+    }
+    for (; b < b1; b += 16) {
+        int64_t left = b1 - b;
+        __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+        __m512i v = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, row + b));
+        affine_step_t(v, m, z0 + b, z1 + b, z2 + b, z3 + b, &d0, &d1, &d2, &d3, bits);
+    }
+    __m512 d = _mm512_add_ps(_mm512_add_ps(d0, e0), _mm512_add_ps(d1, e1));
+    return bits == 2 ? _mm512_add_ps(d, _mm512_add_ps(_mm512_add_ps(d2, e2), _mm512_add_ps(d3, e3))) : d;
+}
+
+/* zd: the input deinterleaved by code position within a byte: zd[k * nbr + i] = x[i * per + k] (NULL for 8 bits) */
+AI float affine_row_t(const Affine *a, int64_t r, const float *x, const float *zd, const float *gsum, float *sc,
+                      const int bits) {
+    float extra = affine_row_sides(a, r, gsum, sc);
+    const int per = 8 / bits;
+    const int64_t nbr = a->cols / per, gbytes = a->group / per; /* a group is a whole number of bytes */
+    const uint8_t *row = a->codes + (r * a->cols) / per;
+    const float *z0 = zd ? zd : x, *z1 = zd ? zd + nbr : x, *z2 = zd ? zd + 2 * nbr : x, *z3 = zd ? zd + 3 * nbr : x;
+    __m512 acc = _mm512_setzero_ps();
+    int64_t b0 = 0;
+    for (int64_t g = 0; g < a->ngroups; g++, b0 += gbytes) {
+        int64_t b1 = b0 + gbytes < nbr ? b0 + gbytes : nbr;
+        _mm_prefetch((const char *)(row + b0 + 1024), _MM_HINT_T0);
+        acc = _mm512_fmadd_ps(affine_group_t(row, b0, b1, z0, z1, z2, z3, bits), _mm512_set1_ps(sc[g]), acc);
+    }
+    return hsum(acc) + extra;
+}
+
+static float affine_row_simd(const Affine *a, int64_t r, const float *x, const float *zd, const float *gsum,
+                             float *sc) {
+    switch (a->bits) {
+    case 8: return affine_row_t(a, r, x, zd, gsum, sc, 8);
+    case 4: return affine_row_t(a, r, x, zd, gsum, sc, 4);
+    default: return affine_row_t(a, r, x, zd, gsum, sc, 2);
+    }
+}
+#endif
+
+static int affine_check(const Affine *a) {
+    if (a->bits < 1 || a->bits > 8 || a->levels < 2 || a->levels > 256 || a->rows < 0 || a->cols < 0 ||
+        a->group < 1)
+        return -1;
+    return 0;
+}
+
+/* can a row be read byte-aligned with whole groups on byte boundaries? */
+static int affine_fast(const Affine *a) {
+    if (!g_simd || a->base_g) return 0;
+    if (a->bits != 8 && a->bits != 4 && a->bits != 2) return 0;
+    int per = 8 / a->bits;
+    return a->cols % per == 0 && a->group % per == 0;
+}
+
+static float *group_sums(const float *x, int64_t cols, int64_t group, int64_t ngroups) {
+    float *gs = xalloc((size_t)ngroups * sizeof(float));
+    for (int64_t g = 0; g < ngroups; g++) {
+        int64_t c0 = g * group, c1 = c0 + group < cols ? c0 + group : cols;
+        double s = 0.0;
+        for (int64_t c = c0; c < c1; c++) s += x[c];
+        gs[g] = (float)s;
+    }
+    return gs;
+}
+
+/* ----------------------------------------------------------------------------------------- affine (base-L) */
+
+/* digits of group values: a lookup table when L^g is small, else division */
+typedef struct {
+    uint8_t *table; /* L^g entries of 8 bytes (digits), or NULL */
+    int64_t entries;
+} BaseTable;
+
+static BaseTable base_table(int L, int g) {
+    BaseTable t = {NULL, 0};
+    double size = pow((double)L, (double)g);
+    if (size > 65536.0) return t;
+    t.entries = (int64_t)(size + 0.5);
+    t.table = xalloc((size_t)t.entries * 8);
+    for (int64_t v = 0; v < t.entries; v++) {
+        int64_t rest = v;
+        for (int j = 0; j < 8; j++) {
+            t.table[v * 8 + j] = (uint8_t)(j < g ? rest % L : 0);
+            if (j < g) rest /= L;
+        }
+    }
+    return t;
+}
+
+/* codes [k0, k0 + count) of a base-L stream into out[0 .. count) */
+static void base_unpack(const Affine *a, const BaseTable *t, int64_t k0, int64_t count, uint8_t *out) {
+    const int g = a->base_g, B = a->base_B, L = a->levels;
+    int64_t k = k0, end = k0 + count;
+    while (k < end) {
+        int64_t grp = k / g;
+        int first = (int)(k - grp * g);
+        uint64_t v = get_wide(a->codes, a->nbytes, (uint64_t)grp * (uint64_t)B, B);
+        uint8_t digits[8];
+        if (t->table && v < (uint64_t)t->entries) {
+            memcpy(digits, t->table + v * 8, 8);
+        } else {
+            for (int j = 0; j < g; j++) {
+                digits[j] = (uint8_t)(v % (uint64_t)L);
+                v /= (uint64_t)L;
+            }
+        }
+        int take = g - first;
+        if (take > end - k) take = (int)(end - k);
+        memcpy(out + (k - k0), digits + first, (size_t)take);
+        k += take;
+    }
+}
+
+static float affine_row_bytes(const Affine *a, int64_t r, const uint8_t *q, const float *x, const float *gsum,
+                              float *sc) {
+    float total = affine_row_sides(a, r, gsum, sc);
+#if HAVE_AVX512
+    if (g_simd) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t g = 0; g < a->ngroups; g++) {
+            int64_t c0 = g * a->group, c1 = c0 + a->group < a->cols ? c0 + a->group : a->cols;
+            __m512 d = _mm512_setzero_ps();
+            for (int64_t c = c0; c < c1; c += 16) {
+                int64_t left = c1 - c;
+                __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+                __m512 qv = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, q + c)));
+                d = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, x + c), d);
+            }
+            acc = _mm512_fmadd_ps(d, _mm512_set1_ps(sc[g]), acc);
+        }
+        return total + hsum(acc);
+    }
+#endif
+    for (int64_t g = 0; g < a->ngroups; g++) {
+        int64_t c0 = g * a->group, c1 = c0 + a->group < a->cols ? c0 + a->group : a->cols;
+        float d = 0.0f;
+        for (int64_t c = c0; c < c1; c++) d += (float)q[c] * x[c];
+        total += sc[g] * d;
+    }
+    return total;
+}
+
+/* base_g = 0: packed layout with `bits`; base_g > 0: base-L layout with groups of base_g codes in base_B bits */
+API int accel_affine_matvec(const uint8_t *codes, int64_t nbytes, int bits, int levels, int base_g, int base_B,
+                            int symmetric, int scale_f32, const void *scale, const void *offset, int64_t rows,
+                            int64_t cols, int64_t group, const float *x, float *y, int nthreads) {
+    Affine a = {codes, nbytes, bits, levels, symmetric, scale_f32, base_g, base_B, scale, offset, rows, cols, group,
+                (cols + group - 1) / group};
+    if (affine_check(&a) || (!symmetric && !offset) || (base_g && (base_g > 8 || base_B < 1 || base_B > 64)))
+        return -1;
+    float *gs = group_sums(x, cols, group, a.ngroups);
+    int fast = affine_fast(&a);
+    float *zd = NULL;
+    if (fast && bits < 8) {
+        int per = 8 / bits;
+        int64_t nbr = cols / per;
+        zd = xalloc((size_t)cols * sizeof(float));
+        for (int k = 0; k < per; k++)
+            for (int64_t i = 0; i < nbr; i++) zd[k * nbr + i] = x[i * per + k];
+    }
+    BaseTable table = {NULL, 0};
+    if (base_g) table = base_table(levels, base_g);
+    int nt = threads_for(nthreads, (double)rows * cols);
+#pragma omp parallel num_threads(nt)
+    {
+        float *sc = xalloc((size_t)a.ngroups * sizeof(float));
+        uint8_t *q = base_g ? xalloc((size_t)cols) : NULL;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            if (base_g) {
+                base_unpack(&a, &table, r * cols, cols, q);
+                y[r] = affine_row_bytes(&a, r, q, x, gs, sc);
+            } else {
+#if HAVE_AVX512
+                if (fast) {
+                    y[r] = affine_row_simd(&a, r, x, zd, gs, sc);
+                    continue;
+                }
+#endif
+                y[r] = affine_row_generic(&a, r, x, gs, sc);
+            }
+        }
+        free(sc);
+        free(q);
+    }
+    free(table.table);
+    free(zd);
+    free(gs);
+    return 0;
+}
+
+/* rows [r0, r1) of the decoded weight, float32 as the format decodes it (q * scale + offset, no fused multiply) */
+API int accel_affine_decode_rows(const uint8_t *codes, int64_t nbytes, int bits, int levels, int base_g, int base_B,
+                                 int symmetric, int scale_f32, const void *scale, const void *offset, int64_t rows,
+                                 int64_t cols, int64_t group, int64_t r0, int64_t r1, float *out, int nthreads) {
+    Affine a = {codes, nbytes, bits, levels, symmetric, scale_f32, base_g, base_B, scale, offset, rows, cols, group,
+                (cols + group - 1) / group};
+    if (affine_check(&a) || (!symmetric && !offset) || r0 < 0 || r1 > rows || r0 > r1) return -1;
+    BaseTable table = {NULL, 0};
+    if (base_g) table = base_table(levels, base_g);
+    float mid = 0.5f * (float)(levels - 1);
+    int nt = threads_for(nthreads, (double)(r1 - r0) * cols);
+#pragma omp parallel num_threads(nt)
+    {
+        uint8_t *q = xalloc((size_t)cols);
+#pragma omp for schedule(static)
+        for (int64_t r = r0; r < r1; r++) {
+            if (base_g) {
+                base_unpack(&a, &table, r * cols, cols, q);
+            } else {
+                for (int64_t c = 0; c < cols; c++)
+                    q[c] = (uint8_t)get_code(codes, (uint64_t)(r * cols + c) * (uint64_t)bits, bits);
+            }
+            float *o = out + (r - r0) * cols;
+            for (int64_t g = 0; g < a.ngroups; g++) {
+                int64_t c0 = g * group, c1 = c0 + group < cols ? c0 + group : cols;
+                float s = side_value(scale, scale_f32, r * a.ngroups + g);
+                if (symmetric) {
+                    for (int64_t c = c0; c < c1; c++) o[c] = ((float)q[c] - mid) * s;
+                } else {
+                    float off = side_value(offset, scale_f32, r * a.ngroups + g);
+                    for (int64_t c = c0; c < c1; c++) {
+                        o[c] = (float)q[c] * s + off; /* two roundings: built with -ffp-contract=off */
+                    }
+                }
+            }
+        }
+        free(q);
+    }
+    free(table.table);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------------- Leech */
+
+enum { LEECH_PLANES = 0, LEECH_ONEHOT = 1 };
+
+typedef struct {
+    int nstages;
+    const uint8_t *stream[2];
+    int64_t stream_bytes[2];
+    int layout[2]; /* LEECH_PLANES / LEECH_ONEHOT */
+    int param[2];  /* planes: bits per coordinate; onehot: K magnitude masks */
+    float alpha[2];
+    const uint16_t *scale; /* fp16, one per row */
+    int64_t rows, cols, nblk; /* cols padded to 24 * nblk; nblk = blocks per row */
+} Leech;
+
+static inline int parity_bit(const uint8_t *par, int64_t k) { return (par[k >> 3] >> (k & 7)) & 1; }
+
+/* sum over the row's blocks of parity * zb (planes: x = 2 v + p, so p contributes p * sum of the block's z) */
+static float parity_term(const uint8_t *par, int64_t parbytes, int64_t first, int64_t nblk, const float *zb) {
+    float total = 0.0f;
+#if HAVE_AVX512
+    if (g_simd) {
+        __m512 acc = _mm512_setzero_ps();
+        int64_t b = 0;
+        for (; b < nblk; b += 16) {
+            int64_t left = nblk - b;
+            int take = left >= 16 ? 16 : (int)left;
+            __mmask16 m = (__mmask16)get_bits(par, parbytes, (uint64_t)(first + b), take);
+            acc = _mm512_mask_add_ps(acc, m, acc, _mm512_maskz_loadu_ps((__mmask16)((1u << take) - 1u), zb + b));
+        }
+        return hsum(acc);
+    }
+#endif
+    for (int64_t b = 0; b < nblk; b++)
+        if (parity_bit(par, first + b)) total += zb[b];
+    return total;
+}
+
+#if HAVE_AVX512
+/* The AVX-512 Leech kernels work on tiles of 16 rows: one dword gather per plane brings 4 bytes (32 coordinates)
+ * of each of the 16 rows into the 16 lanes, and vpermps looks every nibble up in a 16-entry table of the subset
+ * sums of the 4 inputs it covers: tab[16 g + i] = sum of z[4 g + t] over the set bits t of i. One table serves
+ * every plane and every row, so a nibble of a plane costs a shift, a permute and an add for 16 rows at once. */
+static void build_tables(const float *z, int64_t cols, float *tab) {
+    for (int64_t g = 0; g < cols / 4; g++) {
+        const float *q = z + 4 * g;
+        float *t = tab + 16 * g;
+        t[0] = 0.0f;
+        t[1] = q[0];
+        t[2] = q[1];
+        t[3] = q[0] + q[1];
+        t[4] = q[2];
+        t[5] = q[0] + q[2];
+        t[6] = q[1] + q[2];
+        t[7] = t[3] + q[2];
+        for (int i = 0; i < 8; i++) t[8 + i] = t[i] + q[3];
+    }
+}
+
+AI __m512i tile_offsets(int64_t rowbytes) {
+    return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                              _mm512_set1_epi32((int)rowbytes));
+}
+
+/* a byte's contribution by table lookup (the scalar tail of a tile) */
+static inline float byte_lookup(const float *tab, int64_t k, unsigned byte) {
+    return tab[32 * k + (byte & 15)] + tab[32 * k + 16 + (byte >> 4)];
+}
+
+/* out[i] = sum_c v_c z_c for rows r0 + i, i < nr, of a planes stage (v: `bits`-bit two's complement) */
+AI void planes_tile_t(const uint8_t *base, int64_t plane_stride, int64_t rowbytes, int64_t r0, int nr,
+                      const float *tab, float *out, const int bits) {
+    const __mmask16 lanes = (__mmask16)((1u << nr) - 1u);
+    const __m512i vidx = tile_offsets(rowbytes);
+    const uint8_t *p = base + r0 * rowbytes;
+    __m512 acc[4][2];
+    for (int j = 0; j < bits; j++) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 4 <= rowbytes; k += 4) {
+        __m512i G[4];
+        for (int j = 0; j < bits; j++)
+            G[j] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, vidx, p + j * plane_stride + k, 1);
+        const float *tk = tab + 32 * k;
+        for (int b = 0; b < 4; b++) {
+            const __m512 tlo = _mm512_load_ps(tk + 32 * b), thi = _mm512_load_ps(tk + 32 * b + 16);
+            for (int j = 0; j < bits; j++) {
+                __m512i g = b ? _mm512_srli_epi32(G[j], 8 * b) : G[j];
+                acc[j][0] = _mm512_add_ps(acc[j][0], _mm512_permutexvar_ps(g, tlo));
+                acc[j][1] = _mm512_add_ps(acc[j][1], _mm512_permutexvar_ps(_mm512_srli_epi32(g, 4), thi));
+            }
+        }
+    }
+    __m512 v = _mm512_setzero_ps();
+    for (int j = 0; j < bits; j++) {
+        float w = j == bits - 1 ? -(float)(1 << j) : (float)(1 << j);
+        v = _mm512_fmadd_ps(_mm512_add_ps(acc[j][0], acc[j][1]), _mm512_set1_ps(w), v);
+    }
+    _mm512_mask_storeu_ps(out, lanes, v);
+    for (; k < rowbytes; k++)
+        for (int i = 0; i < nr; i++)
+            for (int j = 0; j < bits; j++) {
+                float w = j == bits - 1 ? -(float)(1 << j) : (float)(1 << j);
+                out[i] += w * byte_lookup(tab, k, p[i * rowbytes + j * plane_stride + k]);
+            }
+}
+
+/* out[i] = sum_c x_c z_c for rows r0 + i of a onehot stage, x = (1 - 2 s) (2 m + p) with m = sum_k k [mask k];
+ * pm: the tile's parity spread to one bit per coordinate (row i at pm + i * rowbytes). The magnitude bits are
+ * ORs of masks (vpternlogd), so the lookups are 2 (bits + parity), each once plain and once ANDed with the sign */
+AI void onehot_tile_t(const uint8_t *base, int64_t plane_stride, int64_t rowbytes, int64_t r0, int nr,
+                      const uint8_t *pm, const float *tab, float *out, const int K) {
+    const int nb = K >= 4 ? 3 : (K >= 2 ? 2 : 1); /* magnitude bits */
+    const __mmask16 lanes = (__mmask16)((1u << nr) - 1u);
+    const __m512i vidx = tile_offsets(rowbytes);
+    const uint8_t *p = base + r0 * rowbytes;
+    __m512 acc[8];
+    float w[8];
+    for (int q = 0; q <= nb; q++) {
+        w[q] = q < nb ? (float)(2 << q) : 1.0f; /* bit t of m weighs 2 * 2^t; parity 1 */
+        w[q + 4] = -2.0f * w[q];                 /* the same with the sign set */
+        acc[q] = acc[q + 4] = _mm512_setzero_ps();
+    }
+    int64_t k = 0;
+    for (; k + 4 <= rowbytes; k += 4) {
+        __m512i Q[8];
+        for (int q = 0; q < nb; q++) Q[q] = _mm512_setzero_si512();
+        for (int m = 1; m <= K; m++) {
+            __m512i M = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, vidx,
+                                                    p + (m - 1) * plane_stride + k, 1);
+            for (int q = 0; q < nb; q++)
+                if ((m >> q) & 1) Q[q] = _mm512_or_si512(Q[q], M);
+        }
+        Q[nb] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, vidx, pm + k, 1);
+        __m512i S = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, vidx, p + K * plane_stride + k, 1);
+        for (int q = 0; q <= nb; q++) Q[q + 4] = _mm512_and_si512(Q[q], S);
+        const float *tk = tab + 32 * k;
+        for (int b = 0; b < 4; b++) {
+            const __m512 tlo = _mm512_load_ps(tk + 32 * b), thi = _mm512_load_ps(tk + 32 * b + 16);
+            for (int q = 0; q < 8; q++) {
+                if ((q & 3) > nb) continue;
+                __m512i g = b ? _mm512_srli_epi32(Q[q], 8 * b) : Q[q];
+                acc[q] = _mm512_add_ps(acc[q], _mm512_add_ps(_mm512_permutexvar_ps(g, tlo),
+                                                             _mm512_permutexvar_ps(_mm512_srli_epi32(g, 4), thi)));
+            }
+        }
+    }
+    __m512 v = _mm512_setzero_ps();
+    for (int q = 0; q < 8; q++)
+        if ((q & 3) <= nb) v = _mm512_fmadd_ps(acc[q], _mm512_set1_ps(w[q]), v);
+    _mm512_mask_storeu_ps(out, lanes, v);
+    for (; k < rowbytes; k++)
+        for (int i = 0; i < nr; i++) {
+            unsigned bq[4] = {0, 0, 0, 0};
+            for (int m = 1; m <= K; m++) {
+                unsigned M = p[i * rowbytes + (m - 1) * plane_stride + k];
+                for (int q = 0; q < nb; q++)
+                    if ((m >> q) & 1) bq[q] |= M;
+            }
+            bq[nb] = pm[i * rowbytes + k];
+            unsigned S = p[i * rowbytes + K * plane_stride + k];
+            for (int q = 0; q <= nb; q++)
+                out[i] += w[q] * byte_lookup(tab, k, bq[q]) + w[q + 4] * byte_lookup(tab, k, bq[q] & S);
+        }
+}
+
+static void planes_tile(const uint8_t *base, int64_t stride, int64_t rowbytes, int64_t r0, int nr, const float *tab,
+                        float *out, int bits) {
+    switch (bits) {
+    case 4: planes_tile_t(base, stride, rowbytes, r0, nr, tab, out, 4); break;
+    case 3: planes_tile_t(base, stride, rowbytes, r0, nr, tab, out, 3); break;
+    case 2: planes_tile_t(base, stride, rowbytes, r0, nr, tab, out, 2); break;
+    default: planes_tile_t(base, stride, rowbytes, r0, nr, tab, out, 1); break;
+    }
+}
+
+static void onehot_tile(const uint8_t *base, int64_t stride, int64_t rowbytes, int64_t r0, int nr, const uint8_t *pm,
+                        const float *tab, float *out, int K) {
+    switch (K) {
+    case 6: onehot_tile_t(base, stride, rowbytes, r0, nr, pm, tab, out, 6); break;
+    case 2: onehot_tile_t(base, stride, rowbytes, r0, nr, pm, tab, out, 2); break;
+    case 1: onehot_tile_t(base, stride, rowbytes, r0, nr, pm, tab, out, 1); break;
+    case 3: onehot_tile_t(base, stride, rowbytes, r0, nr, pm, tab, out, 3); break;
+    case 4: onehot_tile_t(base, stride, rowbytes, r0, nr, pm, tab, out, 4); break;
+    default: onehot_tile_t(base, stride, rowbytes, r0, nr, pm, tab, out, 5); break;
+    }
+}
+#endif
+
+static float planes_dot(const uint8_t *base, int64_t plane_stride, int bits, int64_t off, int64_t cols,
+                        const float *z) {
+    float total = 0.0f;
+    for (int j = 0; j < bits; j++) {
+        const uint8_t *q = base + j * plane_stride + off;
+        float s = 0.0f;
+        for (int64_t c = 0; c < cols; c++)
+            if ((q[c >> 3] >> (c & 7)) & 1) s += z[c];
+        total += (j == bits - 1 ? -(float)(1 << j) : (float)(1 << j)) * s;
+    }
+    return total;
+}
+
+static float onehot_dot(const uint8_t *base, int64_t plane_stride, int K, int64_t off, int64_t cols, const float *z,
+                        const uint8_t *pmask) {
+    const uint8_t *sign = base + (int64_t)K * plane_stride + off;
+    float total = 0.0f;
+    for (int64_t c = 0; c < cols; c++) {
+        int64_t byte = c >> 3;
+        int bit = (int)(c & 7);
+        int mag = (pmask[byte] >> bit) & 1;
+        for (int k = 0; k < K; k++)
+            if ((base[k * plane_stride + off + byte] >> bit) & 1) mag += 2 * (k + 1);
+        float zs = ((sign[byte] >> bit) & 1) ? -z[c] : z[c];
+        total += (float)mag * zs;
+    }
+    return total;
+}
+
+/* the row's parity bits spread to one bit per coordinate (3 bytes a block) */
+static void spread_parity(const uint8_t *par, int64_t first, int64_t nblk, uint8_t *pmask) {
+    for (int64_t b = 0; b < nblk; b++) {
+        uint8_t fill = parity_bit(par, first + b) ? 0xff : 0x00;
+        pmask[3 * b] = pmask[3 * b + 1] = pmask[3 * b + 2] = fill;
+    }
+}
+
+static int leech_init(Leech *L, int nstages, const uint8_t *const *streams, const int64_t *stream_bytes,
+                      const int *layout, const int *param, const float *alpha, const uint16_t *scale, int64_t rows,
+                      int64_t cols) {
+    if (nstages < 1 || nstages > 2 || rows < 0 || cols < 24 || cols % 24) return -1;
+    L->nstages = nstages;
+    L->scale = scale;
+    L->rows = rows;
+    L->cols = cols;
+    L->nblk = cols / 24;
+    int64_t n = rows * L->nblk;
+    for (int s = 0; s < nstages; s++) {
+        L->stream[s] = streams[s];
+        L->stream_bytes[s] = stream_bytes[s];
+        L->layout[s] = layout[s];
+        L->param[s] = param[s];
+        L->alpha[s] = alpha[s];
+        int planes = layout[s] == LEECH_PLANES ? param[s] : param[s] + 1;
+        if ((layout[s] != LEECH_PLANES && layout[s] != LEECH_ONEHOT) || param[s] < 1 ||
+            (layout[s] == LEECH_PLANES && param[s] > 4) || (layout[s] == LEECH_ONEHOT && param[s] > 6))
+            return -1;
+        if (stream_bytes[s] != planes * 3 * n + (n + 7) / 8) return -2;
+    }
+    return 0;
+}
+
+/* t[r] = scale[r] * sum_s alpha_s <x_s[r], z> for rows [0, rows), in tiles of 16 rows */
+static void leech_rows(const Leech *L, const float *z, const float *zb, float *t, int nthreads) {
+    const int64_t n = L->rows * L->nblk, plane = 3 * n, rowbytes = 3 * L->nblk, parbytes = (n + 7) / 8;
+    const int64_t tiles = (L->rows + 15) / 16;
+    float *tab = NULL;
+#if HAVE_AVX512
+    if (g_simd) {
+        tab = xalloc((size_t)L->cols * 4 * sizeof(float));
+        build_tables(z, L->cols, tab);
+    }
+#endif
+    int nt = threads_for(nthreads, (double)L->rows * L->cols);
+#pragma omp parallel num_threads(nt)
+    {
+        uint8_t *pm = xalloc((size_t)(16 * rowbytes + 64));
+        float vals[16];
+#pragma omp for schedule(static)
+        for (int64_t tile = 0; tile < tiles; tile++) {
+            const int64_t r0 = tile * 16;
+            const int nr = L->rows - r0 < 16 ? (int)(L->rows - r0) : 16;
+            float total[16] = {0};
+            for (int s = 0; s < L->nstages; s++) {
+                const uint8_t *base = L->stream[s];
+                const int onehot = L->layout[s] == LEECH_ONEHOT;
+                const uint8_t *par = base + (onehot ? L->param[s] + 1 : L->param[s]) * plane;
+                if (onehot)
+                    for (int i = 0; i < nr; i++) spread_parity(par, (r0 + i) * L->nblk, L->nblk, pm + i * rowbytes);
+#if HAVE_AVX512
+                if (g_simd) {
+                    if (onehot) {
+                        onehot_tile(base, plane, rowbytes, r0, nr, pm, tab, vals, L->param[s]);
+                    } else {
+                        planes_tile(base, plane, rowbytes, r0, nr, tab, vals, L->param[s]);
+                        for (int i = 0; i < nr; i++)
+                            vals[i] = 2.0f * vals[i] + parity_term(par, parbytes, (r0 + i) * L->nblk, L->nblk, zb);
+                    }
+                } else
+#endif
+                {
+                    for (int i = 0; i < nr; i++) {
+                        int64_t off = (r0 + i) * rowbytes;
+                        vals[i] = onehot ? onehot_dot(base, plane, L->param[s], off, L->cols, z, pm + i * rowbytes)
+                                         : 2.0f * planes_dot(base, plane, L->param[s], off, L->cols, z) +
+                                               parity_term(par, parbytes, (r0 + i) * L->nblk, L->nblk, zb);
+                    }
+                }
+                for (int i = 0; i < nr; i++) total[i] += L->alpha[s] * vals[i];
+            }
+            for (int i = 0; i < nr; i++) t[r0 + i] = half_to_float(L->scale[r0 + i]) * total[i];
+        }
+        free(pm);
+    }
+    free(tab);
+}
+
+/* y = U^T T V x: V as (sign, R, odd size), U as (sign, R^T, odd size); x has in_features <= cols entries (zero padded) */
+API int accel_leech_matvec(int nstages, const uint8_t *const *streams, const int64_t *stream_bytes, const int *layout,
+                           const int *param, const float *alpha, const uint16_t *scale, int64_t rows, int64_t cols,
+                           int64_t in_features, const float *sign_in, const float *rot_in, int64_t odd_in,
+                           const float *sign_out, const float *rot_out_t, int64_t odd_out, const float *x, float *y,
+                           int nthreads) {
+    Leech L;
+    int err = leech_init(&L, nstages, streams, stream_bytes, layout, param, alpha, scale, rows, cols);
+    if (err) return err;
+    if (in_features > cols || in_features < 1 || odd_in < 1 || cols % odd_in || odd_out < 1 || rows % odd_out)
+        return -1;
+    int64_t big = cols > rows ? cols : rows;
+    float *z = xalloc((size_t)(cols + 16) * sizeof(float));
+    float *tmp = xalloc((size_t)(big + 16) * sizeof(float));
+    float *zb = xalloc((size_t)(L.nblk + 16) * sizeof(float));
+    memcpy(z, x, (size_t)in_features * sizeof(float));
+    memset(z + in_features, 0, (size_t)(cols - in_features) * sizeof(float));
+    g_rht_threads = nthreads > 0 ? nthreads : omp_get_max_threads();
+    rht_one(z, cols, sign_in, rot_in, odd_in, 0, tmp);
+    for (int64_t b = 0; b < L.nblk; b++) {
+        float s = 0.0f;
+        for (int i = 0; i < 24; i++) s += z[24 * b + i];
+        zb[b] = s;
+    }
+    leech_rows(&L, z, zb, y, nthreads);
+    rht_one(y, rows, sign_out, rot_out_t, odd_out, 1, tmp);
+    g_rht_threads = 1;
+    free(z);
+    free(tmp);
+    free(zb);
+    return 0;
+}
+
+/* rows [r0, r1) of T = scale * sum_s alpha_s x_s (the transformed weight, cols wide) */
+API int accel_leech_decode_rows(int nstages, const uint8_t *const *streams, const int64_t *stream_bytes,
+                                const int *layout, const int *param, const float *alpha, const uint16_t *scale,
+                                int64_t rows, int64_t cols, int64_t r0, int64_t r1, float *out, int nthreads) {
+    Leech L;
+    int err = leech_init(&L, nstages, streams, stream_bytes, layout, param, alpha, scale, rows, cols);
+    if (err) return err;
+    if (r0 < 0 || r1 > rows || r0 > r1) return -1;
+    const int64_t n = rows * L.nblk, plane = 3 * n;
+    int nt = threads_for(nthreads, (double)(r1 - r0) * cols);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t r = r0; r < r1; r++) {
+        float *o = out + (r - r0) * cols;
+        float s = half_to_float(scale[r]);
+        for (int64_t c = 0; c < cols; c++) o[c] = 0.0f;
+        for (int st = 0; st < nstages; st++) {
+            const uint8_t *base = L.stream[st];
+            int planes = L.layout[st] == LEECH_PLANES ? L.param[st] : L.param[st] + 1;
+            const uint8_t *par = base + planes * plane;
+            int64_t off = 3 * r * L.nblk;
+            for (int64_t c = 0; c < cols; c++) {
+                int64_t byte = off + (c >> 3);
+                int bit = (int)(c & 7);
+                int p = parity_bit(par, r * L.nblk + c / 24), x;
+                if (L.layout[st] == LEECH_PLANES) {
+                    int bits = L.param[st], v = 0;
+                    for (int j = 0; j < bits; j++) v |= ((base[j * plane + byte] >> bit) & 1) << j;
+                    if (v >= 1 << (bits - 1)) v -= 1 << bits;
+                    x = 2 * v + p;
+                } else {
+                    int K = L.param[st], mag = p;
+                    for (int k = 0; k < K; k++)
+                        if ((base[k * plane + byte] >> bit) & 1) mag += 2 * (k + 1);
+                    x = ((base[K * plane + byte] >> bit) & 1) ? -mag : mag;
+                }
+                o[c] += L.alpha[st] * (float)x;
+            }
+        }
+        for (int64_t c = 0; c < cols; c++) o[c] *= s;
+    }
+    return 0;
+}
+
+/* -------------------------------------------------------------------------------------------- bandwidth */
+
+/* dst <- src with every thread copying its own contiguous slice; the copy bandwidth bench/gemv.py compares to */
+API void accel_copy(float *dst, const float *src, int64_t n, int nthreads) {
+    int nt = threads_for(nthreads, (double)n);
+#pragma omp parallel num_threads(nt)
+    {
+        int t = omp_get_thread_num(), k = omp_get_num_threads();
+        int64_t a = n * t / k, b = n * (t + 1) / k;
+        memcpy(dst + a, src + a, (size_t)(b - a) * sizeof(float));
+    }
+}

@@ -1,0 +1,68 @@
+"""Build a transformers model from an accel OUT_DIR with QuantLinear layers over the stored weights.
+
+Kept tensors (embeddings, norms, LM head) are decoded as usual. Each quantized 2-D weight that a kernel can read
+stays in its stored form (memory-mapped, checksums verified) behind a QuantLinear; the model is first built with
+an untouched `torch.empty` placeholder in its place (no pages are written, so no memory is used) and the Linear is
+then swapped. A quantized tensor no kernel reads, or one that does not feed an nn.Linear, is decoded densely.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from accel.errors import FormatError
+from accel.formats.artifact import Artifact
+from accel.progress import SILENT, Progress
+
+
+def stored_parts(art: Artifact, name: str, check: bool = True) -> dict[str, np.ndarray]:
+    """The stored arrays of one logical tensor keyed by part name (memory-mapped), checksums verified."""
+    f = art.owner[name]
+    entry = f.entries[name]
+    if check:
+        for stored in entry.parts.values():
+            if not f.checksum_ok(stored):
+                raise FormatError(f"{f.path.name}: tensor '{name}': checksum mismatch in stored tensor '{stored}' "
+                                  "(the file is corrupt)")
+    return {part: f.read_stored(stored) for part, stored in entry.parts.items()}
+
+
+def build_kernel_model(art: Artifact, config: dict[str, Any], progress: Progress = SILENT):
+    """A float32 causal LM whose quantized linear layers are QuantLinear modules (eval mode)."""
+    import torch
+
+    from accel.converters import build_transformers_model
+    from accel.kernels.quant_linear import QuantLinear
+    from accel.kernels.weights import Unsupported, kernel_weight
+
+    tensors: dict[str, Any] = {}
+    kernels = {}
+    progress.stage("loading weights (kernels)", len(art.names))
+    for name in art.names:
+        entry = art.entry(name)
+        if entry.role == "quantized" and name.endswith(".weight") and len(entry.shape) == 2:
+            try:
+                kernels[name] = kernel_weight(entry, stored_parts(art, name))
+                tensors[name] = torch.empty(tuple(entry.shape), dtype=torch.float32)
+            except Unsupported:
+                tensors[name] = art.decode(name)
+        elif entry.role in ("quantized", "kept"):
+            tensors[name] = art.decode(name)
+        progress.advance()
+    progress.close()
+    model = build_transformers_model(config, tensors)
+    del tensors
+    for name, weight in kernels.items():
+        path = name[: -len(".weight")]
+        parent_name, _, child = path.rpartition(".")
+        module = model.get_submodule(path)
+        if isinstance(module, torch.nn.Linear) and tuple(module.weight.shape) == weight.shape:
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, QuantLinear(weight, module.bias))
+        else:  # not a plain linear layer: give it the dense weight
+            module_param = model.get_parameter(name)
+            with torch.no_grad():
+                module_param.copy_(torch.from_numpy(np.ascontiguousarray(art.decode(name), dtype=np.float32)))
+    return model.eval()

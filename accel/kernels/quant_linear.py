@@ -1,0 +1,61 @@
+"""QuantLinear: a drop-in torch.nn.Linear (inference only) that keeps its weight in accel's stored form.
+
+One input row (batch-1 decoding) runs the fused decode + matvec kernel. Several rows (prefill, evaluation
+windows) decode the weight one tile of rows at a time into a reused float32 buffer and multiply the tile with
+torch (so the dense matrix never exists whole); for Leech weights the tiles are of the transformed weight T and
+the inputs and outputs go through the seeded transforms: Y = U^T (T (V X)).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from accel.kernels.weights import KernelWeight, LeechWeight, ptr
+
+TILE_FLOATS = 1 << 18  # a decoded tile holds at most this many floats (1 MiB)
+
+
+class QuantLinear(torch.nn.Module):
+    def __init__(self, weight: KernelWeight, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.kernel = weight
+        self.out_features, self.in_features = weight.shape
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), requires_grad=False)
+        self.tile_rows = max(1, min(self.out_features, TILE_FLOATS // max(weight.inner, 1)))
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel.kind}, "
+                f"bias={self.bias is not None}")
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"QuantLinear expects {self.in_features} input features, got {x.shape[-1]}")
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, self.in_features).to(device="cpu", dtype=torch.float32).contiguous()
+        if flat.shape[0] == 1:
+            out = torch.empty(1, self.out_features, dtype=torch.float32)
+            self.kernel.matvec_ptr(ptr(flat), ptr(out))
+        else:
+            out = self._tiled(flat)
+        if self.bias is not None:
+            out += self.bias
+        return out.reshape(*lead, self.out_features).to(x.dtype)
+
+    def _tiled(self, flat: torch.Tensor) -> torch.Tensor:
+        k = self.kernel
+        n = flat.shape[0]
+        if isinstance(k, LeechWeight):
+            z = torch.zeros(n, k.cols, dtype=torch.float32)
+            z[:, : self.in_features] = flat
+            k.rht_ptr(ptr(z), n, "in")
+            flat = z
+        out = torch.empty(n, self.out_features, dtype=torch.float32)
+        tile = torch.empty(self.tile_rows, k.inner, dtype=torch.float32)
+        for r0 in range(0, self.out_features, self.tile_rows):
+            r1 = min(r0 + self.tile_rows, self.out_features)
+            k.decode_rows_ptr(r0, r1, ptr(tile))
+            out[:, r0:r1] = flat @ tile[: r1 - r0].T
+        if isinstance(k, LeechWeight):
+            k.rht_ptr(ptr(out), n, "out")
+        return out

@@ -1,0 +1,199 @@
+"""Kernel-side views of stored weights: the parts of one logical tensor, checked, with the C kernels bound to them.
+
+A `KernelWeight` never builds the dense matrix. `matvec` runs the fused decode + matrix-vector kernel; `decode_rows`
+decodes a tile of rows (the batched path of QuantLinear multiplies tiles, one at a time).
+
+Supported: the `affine` codec in the `packed` layout (any width 1..8; fast paths for 8, 4 and 2 bits) and the
+`base` layout (base-L groups), and the `leech` codec in its serving layouts `planes` and `onehot` (the `compact`
+index stream is converted to planes once, at load: index -> point arithmetic, no dense matrix).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+
+from accel.errors import AccelError
+from accel.formats import bitpack
+from accel.formats.codecs import get_codec
+from accel.formats.tensor import TensorEntry
+from accel.kernels._build import library
+
+_THREADS = [0]  # 0: OpenMP's default (OMP_NUM_THREADS, else every core)
+
+
+def set_threads(n: int) -> None:
+    """Threads the CPU kernels use (0 = OpenMP's default)."""
+    _THREADS[0] = max(0, int(n))
+
+
+class Unsupported(AccelError):
+    """This codec/layout has no kernel (the caller decodes it densely instead)."""
+
+
+def ptr(a: Any) -> int:
+    """Address of a contiguous numpy array or torch tensor."""
+    if isinstance(a, np.ndarray):
+        if not a.flags.c_contiguous:
+            raise ValueError("kernel arrays must be C-contiguous")
+        return a.ctypes.data
+    if not a.is_contiguous():
+        raise ValueError("kernel tensors must be contiguous")
+    return a.data_ptr()
+
+
+def _check(code: int, what: str) -> None:
+    if code != 0:
+        raise AccelError(f"kernel {what} refused its arguments (code {code})")
+
+
+class KernelWeight:
+    """Base: a 2-D weight of `shape` (out_features, in_features) whose stored parts a kernel reads."""
+
+    kind: str
+    shape: tuple[int, int]
+    nbytes: int  # stored bytes of all parts: what one matvec reads of the weight
+    inner: int  # width of a decoded row tile (in_features, or the padded transformed width for leech)
+
+    def matvec(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        out = np.empty(self.shape[0], dtype=np.float32) if out is None else out
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.shape != (self.shape[1],) or out.shape != (self.shape[0],) or out.dtype != np.float32:
+            raise ValueError(f"matvec of a {self.shape} weight takes x ({self.shape[1]},) and out ({self.shape[0]},)")
+        self.matvec_ptr(ptr(x), ptr(out))
+        return out
+
+    def matvec_ptr(self, x: int, out: int) -> None:
+        raise NotImplementedError
+
+    def decode_rows_ptr(self, r0: int, r1: int, out: int) -> None:
+        raise NotImplementedError
+
+    def decode_rows(self, r0: int, r1: int) -> np.ndarray:
+        out = np.empty((r1 - r0, self.inner), dtype=np.float32)
+        self.decode_rows_ptr(r0, r1, ptr(out))
+        return out
+
+
+class AffineWeight(KernelWeight):
+    """`affine` codes in the `packed` (bit stream) or `base` (base-L groups) layout, scales (and offsets) per group."""
+
+    def __init__(self, entry: TensorEntry, parts: dict[str, np.ndarray]):
+        if len(entry.shape) != 2:
+            raise Unsupported(f"tensor '{entry.name}': kernels take 2-D weights, not {list(entry.shape)}")
+        p = entry.params
+        self.levels, self.group, self.symmetric = int(p["levels"]), int(p["group"]), bool(p["symmetric"])
+        self.scale_f32 = p["scale_dtype"] == "float32"
+        self.layout = entry.layout
+        if entry.layout in ("packed", "compact"):
+            self.bits = bitpack.bits_for_levels(self.levels)
+            self.base_g, self.base_b = 0, 0
+            self.kind = f"affine-packed{self.bits}"
+        elif entry.layout == "base":
+            self.bits = bitpack.bits_for_levels(self.levels)
+            self.base_g, self.base_b = bitpack.base_grouping(self.levels)
+            self.kind = f"affine-base{self.levels}"
+        else:
+            raise Unsupported(f"tensor '{entry.name}': no kernel for affine codes in the '{entry.layout}' layout")
+        self.shape = (int(entry.shape[0]), int(entry.shape[1]))
+        self.inner = self.shape[1]
+        self.codes = np.ascontiguousarray(parts["codes"]).reshape(-1)
+        self.scale = np.ascontiguousarray(parts["scale"])
+        self.offset = None if self.symmetric else np.ascontiguousarray(parts["offset"])
+        self.nbytes = int(sum(np.asarray(a).nbytes for a in parts.values()))
+        self._lib = library()
+
+    def _common(self) -> tuple:
+        return (ptr(self.codes), self.codes.size, self.bits, self.levels, self.base_g, self.base_b,
+                int(self.symmetric), int(self.scale_f32), ptr(self.scale),
+                None if self.offset is None else ptr(self.offset), self.shape[0], self.shape[1], self.group)
+
+    def matvec_ptr(self, x, out):
+        _check(self._lib.accel_affine_matvec(*self._common(), x, out, _THREADS[0]), "accel_affine_matvec")
+
+    def decode_rows_ptr(self, r0, r1, out):
+        _check(self._lib.accel_affine_decode_rows(*self._common(), r0, r1, out, _THREADS[0]),
+               "accel_affine_decode_rows")
+
+
+class LeechWeight(KernelWeight):
+    """`leech` code streams in the `planes` or `onehot` serving layout (compact streams converted to planes)."""
+
+    def __init__(self, entry: TensorEntry, parts: dict[str, np.ndarray]):
+        from accel.formats.leech_codec import (
+            STREAM_NAMES,
+            LeechOneHotLayout,
+            LeechPlanesLayout,
+            _plane_bits,
+        )
+        from accel.quantize.incoherence import _factors, split_size
+
+        p = entry.params
+        codec = get_codec("leech")
+        self.shape = (int(entry.shape[0]), int(entry.shape[1]))
+        self.cols = int(p["cols"])
+        self.inner = self.cols
+        layout = "planes" if entry.layout in ("packed", "compact") else entry.layout
+        if layout not in ("planes", "onehot"):
+            raise Unsupported(f"tensor '{entry.name}': no kernel for leech codes in the '{entry.layout}' layout")
+        self.kind = f"leech-{layout}"
+        streams, kinds, params, alphas = [], [], [], []
+        for name, stage in zip(STREAM_NAMES, p["stages"], strict=False):
+            stored = np.ascontiguousarray(parts[name]).reshape(-1)
+            if entry.layout in ("packed", "compact"):  # index stream -> coordinates, once
+                levels, count = codec.streams(p, entry.shape)[name]
+                indices = codec.layout_for(entry.layout, name, p).unpack(stored, levels, count)
+                stored = LeechPlanesLayout(stage["max_shell"]).pack(indices, levels)
+            streams.append(stored)
+            kinds.append(0 if layout == "planes" else 1)
+            params.append(_plane_bits(stage["max_shell"]) if layout == "planes"
+                          else LeechOneHotLayout(stage["max_shell"])._levels())
+            alphas.append(float(stage["alpha"]))
+        self.streams = streams
+        self.scale = np.ascontiguousarray(parts["scale"]).view(np.uint16)
+        self.nbytes = int(sum(s.nbytes for s in streams) + self.scale.nbytes)
+        n = len(streams)
+        self._stream_ptrs = (ctypes.c_void_p * n)(*[s.ctypes.data for s in streams])
+        self._stream_bytes = (ctypes.c_int64 * n)(*[s.size for s in streams])
+        self._kinds = (ctypes.c_int * n)(*kinds)
+        self._params = (ctypes.c_int * n)(*params)
+        self._alphas = (ctypes.c_float * n)(*alphas)
+        self.nstages = n
+        # V is only applied forward (to inputs) and U only inverse (to outputs): keep R for V and R^T for U
+        self.factors = {}
+        for side, size, seed in (("in", self.cols, p["seed_in"]), ("out", self.shape[0], p["seed_out"])):
+            signs, rot = _factors(size, int(seed))
+            self.factors[side] = (np.ascontiguousarray(signs, dtype=np.float32),
+                                  np.ascontiguousarray(rot if side == "in" else rot.T, dtype=np.float32),
+                                  split_size(size)[0])
+        self._lib = library()
+
+    def _head(self) -> tuple:
+        return (self.nstages, self._stream_ptrs, self._stream_bytes, self._kinds, self._params, self._alphas,
+                ptr(self.scale), self.shape[0], self.cols)
+
+    def matvec_ptr(self, x, out):
+        (si, ri, mi), (so, ro, mo) = self.factors["in"], self.factors["out"]
+        _check(self._lib.accel_leech_matvec(*self._head(), self.shape[1], ptr(si), ptr(ri), mi, ptr(so), ptr(ro), mo,
+                                            x, out, _THREADS[0]), "accel_leech_matvec")
+
+    def decode_rows_ptr(self, r0, r1, out):
+        """Rows of the transformed weight T (scale * sum of stage points), `cols` wide: W = U^T T V."""
+        _check(self._lib.accel_leech_decode_rows(*self._head(), r0, r1, out, _THREADS[0]), "accel_leech_decode_rows")
+
+    def rht_ptr(self, data: int, nvec: int, side: str) -> None:
+        """In place on nvec contiguous vectors: V x (side "in") or U^T t (side "out")."""
+        signs, mat, odd = self.factors[side]
+        _check(self._lib.accel_rht(data, nvec, signs.size, ptr(signs), ptr(mat), odd, int(side == "out"),
+                                   _THREADS[0]), "accel_rht")
+
+
+def kernel_weight(entry: TensorEntry, parts: dict[str, np.ndarray]) -> KernelWeight:
+    """The kernel view of one logical tensor's stored parts (keyed by part name); Unsupported if none fits."""
+    if entry.codec == "affine":
+        return AffineWeight(entry, parts)
+    if entry.codec == "leech":
+        return LeechWeight(entry, parts)
+    raise Unsupported(f"tensor '{entry.name}': no kernel for the '{entry.codec}' codec")

@@ -1,0 +1,176 @@
+"""Batch-1 matrix-vector products: accel's fused decode kernels against torch's dense fp32 and bf16 matvec.
+
+Per shape (out x in): the time of torch.mv in fp32 and bf16, and of every accel CPU kernel on random stored
+weights of its format; the bytes one call reads (every stored part of the weight, plus x and y), the GB/s that
+implies, the speedup over fp32, and the fraction of the kernel's own byte bound, where the byte bound is the
+bytes divided by the bandwidth of a large multi-threaded copy measured in the same run (read + write bytes, as
+STREAM counts a copy). Weights are random codes packed by the format library's own layouts (for Leech: random
+ball indices of shells 2..13 converted to the serving layouts); correctness is the tests' job.
+
+Every call in a timed loop reads a different copy of the weight, with enough copies that they fill at least
+--footprint MiB, so weights come from memory and not from a cache that a 4-MiB-per-core CPU would not have for a
+real model. Usage: python bench/gemv.py [--quick] [--json] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SHAPES = [(576, 576), (1536, 576), (576, 1536), (4096, 4096), (14336, 4096), (4096, 14336)]
+QUICK_SHAPES = [(576, 576), (1536, 576), (576, 1536), (4096, 4096)]
+KERNELS = ["int8", "int4", "int2", "base3", "leech-planes", "leech-onehot"]
+GROUP = 64
+
+
+def make_weight(kind: str, rows: int, cols: int, rng: np.random.Generator):
+    """(TensorEntry, parts) of random codes in one stored format."""
+    from accel.formats import bitpack
+    from accel.formats.codecs import get_codec
+    from accel.formats.tensor import TensorEntry
+
+    ngroups = -(-cols // GROUP)
+    if kind in ("int8", "int4", "int2", "base3"):
+        levels = {"int8": 256, "int4": 16, "int2": 4, "base3": 3}[kind]
+        layout = "base" if kind == "base3" else "packed"
+        codes = rng.integers(0, levels, size=rows * cols, dtype=np.uint8)
+        stored = (bitpack.pack_base_levels(codes, levels) if layout == "base"
+                  else bitpack.pack_bits(codes, bitpack.bits_for_levels(levels)))
+        parts = {"codes": stored,
+                 "scale": (rng.random((rows, ngroups)) * 0.01 + 0.001).astype(np.float16),
+                 "offset": (rng.standard_normal((rows, ngroups)) * 0.01).astype(np.float16)}
+        entry = TensorEntry("w", "affine", {"levels": levels, "group": GROUP, "symmetric": False,
+                                            "scale_dtype": "float16"}, (rows, cols), layout, "quantized")
+    else:
+        from accel.formats.leech_codec import ball_levels
+        from accel.quantize.leech_weights import stage_alphas
+
+        layout = kind.split("-")[1]
+        padded = -(-cols // 24) * 24
+        params = {"stages": [{"max_shell": 13, "alpha": stage_alphas((13,))[0]}], "cols": padded,
+                  "seed_in": 1, "seed_out": 2, "scale_dtype": "float16"}
+        levels = ball_levels(13)
+        indices = rng.integers(0, levels, size=rows * padded // 24, dtype=np.uint64)
+        codec = get_codec("leech")
+        parts = {"codes": codec.layout_for(layout, "codes", params).pack(indices, levels),
+                 "scale": (rng.random(rows) * 0.01 + 0.001).astype(np.float16)}
+        entry = TensorEntry("w", "leech", params, (rows, cols), layout, "quantized")
+    return entry, parts
+
+
+def _replicas(parts: dict[str, np.ndarray], nbytes: int, footprint: int) -> list[dict[str, np.ndarray]]:
+    copies = max(1, min(64, -(-footprint // max(nbytes, 1))))
+    return [parts] + [{k: v.copy() for k, v in parts.items()} for _ in range(copies - 1)]
+
+
+def _time(calls, min_seconds: float) -> float:
+    """Median seconds of one call, over rounds that each run every call once, for at least min_seconds."""
+    for call in calls[:2]:
+        call()
+    samples = []
+    started = time.perf_counter()
+    while time.perf_counter() - started < min_seconds or len(samples) < 5:
+        t0 = time.perf_counter()
+        for call in calls:
+            call()
+        samples.append((time.perf_counter() - t0) / len(calls))
+    return statistics.median(samples)
+
+
+def copy_bandwidth(threads: int, mib: int = 1024) -> float:
+    """GB/s of a large copy (read + write bytes), all threads, best of several."""
+    from accel.kernels._build import library
+
+    lib = library()
+    n = mib * 2**20 // 4
+    src = np.ones(n, dtype=np.float32)
+    dst = np.zeros_like(src)
+    best = float("inf")
+    for _ in range(6):
+        t0 = time.perf_counter()
+        lib.accel_copy(dst.ctypes.data, src.ctypes.data, n, threads)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n * 4 / best / 1e9
+
+
+def run(shapes, kernels, threads: int, min_seconds: float, footprint: int, seed: int = 0) -> dict:
+    import torch
+
+    from accel.kernels.weights import kernel_weight, set_threads
+
+    torch.set_num_threads(threads)
+    set_threads(threads)
+    rng = np.random.default_rng(seed)
+    bandwidth = copy_bandwidth(threads)
+    rows_out = []
+    for rows, cols in shapes:
+        shape = f"{rows}x{cols}"
+        x = rng.standard_normal(cols).astype(np.float32)
+        xt = torch.from_numpy(x)
+        io_bytes = 4 * (rows + cols)
+        results = {}
+        for name, dtype in (("torch-fp32", torch.float32), ("torch-bf16", torch.bfloat16)):
+            w = torch.randn(rows, cols, dtype=torch.float32).to(dtype)
+            nbytes = w.numel() * w.element_size()
+            ws = [w] + [w.clone() for _ in range(max(0, min(16, -(-footprint // nbytes)) - 1))]
+            xv = xt.to(dtype)
+            seconds = _time([(lambda m=m, xv=xv: torch.mv(m, xv)) for m in ws], min_seconds)
+            results[name] = (seconds, nbytes + io_bytes * (2 if dtype == torch.bfloat16 else 4) // 4)
+            del ws, w
+        for kind in kernels:
+            entry, parts = make_weight(kind, rows, cols, rng)
+            nbytes = sum(a.nbytes for a in parts.values())
+            weights = [kernel_weight(entry, p) for p in _replicas(parts, nbytes, footprint)]
+            out = np.empty(rows, dtype=np.float32)
+            seconds = _time([(lambda k=k, x=x, out=out: k.matvec(x, out)) for k in weights], min_seconds)
+            results[kind] = (seconds, weights[0].nbytes + io_bytes)
+            del weights
+        fp32 = results["torch-fp32"][0]
+        for kernel, (seconds, nbytes) in results.items():
+            rows_out.append({"shape": shape, "kernel": kernel, "us": seconds * 1e6, "bytes": int(nbytes),
+                             "gbps": nbytes / seconds / 1e9, "speedup_vs_fp32": fp32 / seconds,
+                             "byte_bound_fraction": (nbytes / (bandwidth * 1e9)) / seconds})
+        print(f"  measured {shape}", file=sys.stderr, flush=True)
+    return {"copy_gbps": bandwidth, "threads": threads, "rows": rows_out}
+
+
+def table(result: dict) -> str:
+    lines = [f"large-copy bandwidth {result['copy_gbps']:.1f} GB/s ({result['threads']} threads)", "",
+             "| shape | kernel | µs | bytes | GB/s | × fp32 | of byte bound |", "|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['shape']} | {r['kernel']} | {r['us']:.1f} | {r['bytes']:,} | {r['gbps']:.1f} | "
+                     f"{r['speedup_vs_fp32']:.2f} | {r['byte_bound_fraction']:.0%} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smaller shapes, shorter timing")
+    ap.add_argument("--json", action="store_true", help="last line: one JSON object with the rows")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--kernels", default=",".join(KERNELS), help="comma-separated subset of " + ",".join(KERNELS))
+    ap.add_argument("--footprint", type=int, default=256, help="MiB of weight copies cycled per timed kernel")
+    args = ap.parse_args()
+    kernels = [k for k in args.kernels.split(",") if k]
+    unknown = sorted(set(kernels) - set(KERNELS))
+    if unknown:
+        ap.error(f"unknown kernels {unknown}")
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    result = run(shapes, kernels, args.threads, 0.2 if args.quick else 1.0, args.footprint * 2**20)
+    result["load_average"] = os.getloadavg()
+    print(table(result))
+    if args.json:
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
