@@ -20,13 +20,15 @@ def register(app: typer.Typer) -> None:
         kv: str = typer.Option(None, "--kv", help="KV-cache quantization spec (SemKV)."),
         state: str = typer.Option(None, "--state", help="Recurrent-state quantization spec (DAMP)."),
         seed: int = typer.Option(0, "--seed", help="Seed for the bootstrap."),
+        kernels: bool = typer.Option(False, "--kernels", help="Serve an OUT_DIR's quantized weights through the "
+                                     "fused decode kernels (QuantLinear) instead of decoding them to dense."),
         json_out: bool = JSON_OPTION,
     ) -> None:
         """Perplexity of MODEL on --data; with --reference, the paired ΔNLL and its bootstrap 95% interval."""
         from accel.eval.evaluate import EvalSettings, evaluate
 
         result = evaluate(model, EvalSettings(data=data, reference=reference, windows=windows, seq_len=seq_len,
-                                              seed=seed, kv=kv, state=state), BarProgress())
+                                              seed=seed, kv=kv, state=state, kernels=kernels), BarProgress())
         if json_out:
             emit_json(result)
             return

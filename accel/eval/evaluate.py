@@ -25,13 +25,14 @@ class EvalSettings:
     seed: int = 0
     kv: str | None = None  # --kv METHOD[:ARG]: a KV scheme applied at eval time (accel.quantize.maps)
     state: str | None = None  # --state METHOD[:ARG]: a recurrent-state scheme applied at eval time
+    kernels: bool = False  # --kernels: an OUT_DIR's quantized linear weights run through QuantLinear (accel.kernels)
 
 
 def evaluate(spec: str | Path, settings: EvalSettings, progress: Progress = SILENT) -> dict[str, Any]:
     """Perplexity over non-overlapping windows; with a reference, the paired per-window ΔNLL and its 95% CI."""
     text = read_text(settings.data)  # validate the data before any model work
     torch.manual_seed(settings.seed)
-    loaded = load_causal_lm(spec, progress)
+    loaded = load_causal_lm(spec, progress, kernels=settings.kernels)
     windows = token_windows(loaded.tokenizer, text, settings.seq_len, settings.windows)
     runtime, map_report = _map_runtime(loaded, settings)
     progress.stage(f"eval {Path(str(spec)).name}" + (" (token by token)" if runtime else ""), len(windows))

@@ -1,0 +1,94 @@
+"""Batch-1 generation speed: a model decoded to dense fp32 against an accel OUT_DIR served through QuantLinear.
+
+Both arms load in this process and decode greedily with a KV cache: a fixed prompt is prefilled, then --tokens
+tokens are generated one at a time; the figure is generated tokens per second of the decode phase (the prefill is
+timed apart). Arms alternate over --rounds rounds and the median is reported, so a busy machine hurts both alike.
+The OUT_DIR must come from the same source model (its tokenizer is used for both).
+
+Usage: python bench/generate.py OUT_DIR [--reference smollm2-135m] [--tokens 64] [--rounds 3] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PROMPT = "The quick brown fox jumps over the lazy dog. In Python, a list comprehension"
+
+
+def decode_speed(model, ids, tokens: int) -> tuple[float, float, list[int]]:
+    """(prefill seconds, generated tokens per second, the generated ids) with greedy decoding."""
+    import torch
+
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        out = model(input_ids=ids, use_cache=True)
+        prefill = time.perf_counter() - t0
+        past, nxt = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+        generated = [int(nxt)]
+        t0 = time.perf_counter()
+        for _ in range(tokens - 1):
+            out = model(input_ids=nxt, cache=past, use_cache=True)
+            past, nxt = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+            generated.append(int(nxt))
+        return prefill, (tokens - 1) / (time.perf_counter() - t0), generated
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out_dir", help="accel OUT_DIR (served with QuantLinear kernels)")
+    ap.add_argument("--reference", default="smollm2-135m", help="dense fp32 arm (source model)")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    import torch
+
+    from accel.eval.load import load_causal_lm
+    from accel.kernels import set_threads
+
+    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
+    t0 = time.perf_counter()
+    quant = load_causal_lm(args.out_dir, kernels=True)
+    load_quant = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    dense = load_causal_lm(args.reference)
+    load_dense = time.perf_counter() - t0
+    ids = quant.tokenizer(PROMPT, return_tensors="pt").input_ids
+    arms = {"dense-fp32": dense.model, "accel-kernels": quant.model}
+    runs: dict[str, list[tuple[float, float]]] = {k: [] for k in arms}
+    texts = {}
+    for _ in range(args.rounds):
+        for name, model in arms.items():
+            prefill, tps, generated = decode_speed(model, ids, args.tokens)
+            runs[name].append((prefill, tps))
+            texts[name] = quant.tokenizer.decode(generated)
+    result = {"out_dir": args.out_dir, "reference": args.reference, "tokens": args.tokens, "rounds": args.rounds,
+              "threads": args.threads, "prompt_tokens": int(ids.shape[1]),
+              "load_seconds": {"accel-kernels": load_quant, "dense-fp32": load_dense},
+              "load_average": os.getloadavg(), "arms": {}}
+    for name, samples in runs.items():
+        result["arms"][name] = {"tokens_per_s": statistics.median(s[1] for s in samples),
+                                "prefill_s": statistics.median(s[0] for s in samples),
+                                "text": texts[name]}
+    result["speedup"] = result["arms"]["accel-kernels"]["tokens_per_s"] / result["arms"]["dense-fp32"]["tokens_per_s"]
+    print(f"{'arm':<15} {'tokens/s':>9} {'prefill s':>10}")
+    for name, arm in result["arms"].items():
+        print(f"{name:<15} {arm['tokens_per_s']:>9.1f} {arm['prefill_s']:>10.3f}")
+    print(f"speedup of accel-kernels over dense fp32: {result['speedup']:.2f}x")
+    if args.json:
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
