@@ -1,0 +1,196 @@
+"""The recurrent-state update step on DAMP storage: C/OpenMP kernel, float32 kernel, float64 reference.
+
+One decode step of the gated delta rule for a layer (see state_update.c): decay (per head for GDN, per channel for
+KDA), delta-rule write, output. `step_mixed` reads and writes a `MixedState` — float16 rows for the kept channels,
+int8 rows with float16 scales for the rest, exactly the runtime's storage (accel.runtime.state_cache) — without
+materialising a float32 copy of the state. `step_f32` is the same loop on a float32 state (the baseline);
+`reference_step` is the float64 reference both are tested against.
+
+The C source is compiled with gcc on first use (`accel.kernels._build`'s compiler, cache directory and CPU key)
+and called through ctypes. Inputs: q, k [B, H, d_k] (already L2-normalised, q scaled by d_k^-0.5, GQA heads
+expanded), v [B, H, d_v], g log-decay [B, H] (GDN) or [B, H, d_k] (KDA), beta [B, H].
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from accel.kernels import _build
+from accel.runtime.state_cache import decode_rows, encode_rows
+
+SOURCE = Path(__file__).with_name("state_update.c")
+
+
+def _library_path() -> Path:
+    cc = _build._compiler()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise _build.KernelUnavailable(f"the C compiler {cc!r} does not run: {exc}") from None
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(_build.FLAGS).encode(), version.encode(),
+                                     _build._cpu_identity().encode()])).hexdigest()[:24]
+    target = _build.cache_dir() / f"state_update-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        run = subprocess.run([cc, *_build.FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+                             check=False)
+        if run.returncode != 0:
+            raise _build.KernelUnavailable(f"building the state-update kernel failed ({cc}):\n"
+                                           f"{run.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+_i32, _ptr = ctypes.c_int, ctypes.c_void_p
+
+
+@cache
+def library() -> ctypes.CDLL:
+    """The compiled kernels (KernelUnavailable, an AccelError, without a working gcc)."""
+    lib = ctypes.CDLL(str(_library_path()))
+    lib.accel_state_step_f32.argtypes = [_i32] * 5 + [_ptr] * 7 + [_i32]
+    lib.accel_state_step_mixed.argtypes = [_i32] * 5 + [_ptr, _i32, _i32] + [_ptr] * 9 + [_i32]
+    lib.accel_state_step_f32.restype = lib.accel_state_step_mixed.restype = _i32
+    return lib
+
+
+def available() -> bool:
+    try:
+        library()
+    except _build.KernelUnavailable:
+        return False
+    return True
+
+
+@dataclass
+class MixedState:
+    """A layer's state in DAMP storage: `slot` maps each (head, channel) to a float16 row or an int8 row."""
+
+    batch: int
+    heads: int
+    d_k: int
+    d_v: int
+    slot: np.ndarray  # int32 [heads * d_k]
+    hi: np.ndarray  # uint16 (float16 bits) [batch, n_hi, d_v]
+    lo: np.ndarray  # int8 [batch, n_lo, d_v]
+    lo_scale: np.ndarray  # uint16 (float16 bits) [batch, n_lo]
+
+    @classmethod
+    def from_float(cls, state: np.ndarray | torch.Tensor, high: np.ndarray) -> MixedState:
+        """Encode [B, H, d_k, d_v] with the channels where `high` ([H, d_k] 0/1) is set kept in float16."""
+        s = torch.as_tensor(np.asarray(state), dtype=torch.float32)
+        b, h, dk, dv = s.shape
+        flat = np.asarray(high).reshape(-1) != 0
+        hi_idx, lo_idx = np.nonzero(flat)[0], np.nonzero(~flat)[0]
+        slot = np.empty(h * dk, dtype=np.int32)
+        slot[hi_idx] = np.arange(hi_idx.size, dtype=np.int32)
+        slot[lo_idx] = -np.arange(lo_idx.size, dtype=np.int32) - 1
+        rows = s.reshape(b, h * dk, dv)
+        hi = encode_rows(rows[:, hi_idx].reshape(-1, dv), "fp16")["values"]
+        lo_parts = encode_rows(rows[:, lo_idx].reshape(-1, dv), "int8")
+        return cls(b, h, dk, dv, slot, hi.view(torch.int16).numpy().view(np.uint16).reshape(b, -1, dv).copy(),
+                   lo_parts["codes"].numpy().reshape(b, -1, dv).copy(),
+                   lo_parts["scales"].view(torch.int16).numpy().view(np.uint16).reshape(b, -1).copy())
+
+    def to_float(self) -> np.ndarray:
+        b, h, dk, dv = self.batch, self.heads, self.d_k, self.d_v
+        out = np.empty((b, h * dk, dv), dtype=np.float32)
+        hi_idx, lo_idx = np.nonzero(self.slot >= 0)[0], np.nonzero(self.slot < 0)[0]
+        out[:, hi_idx] = self.hi.view(np.float16).astype(np.float32)[:, self.slot[hi_idx]]
+        lo = decode_rows({"codes": torch.from_numpy(self.lo.reshape(-1, dv)),
+                          "scales": torch.from_numpy(self.lo_scale.reshape(-1).view(np.float16))},
+                         "int8", self.lo.shape[0] * self.lo.shape[1], dv).numpy().reshape(b, -1, dv)
+        out[:, lo_idx] = lo[:, -self.slot[lo_idx] - 1]
+        return out.reshape(b, h, dk, dv)
+
+    @property
+    def nbytes(self) -> int:
+        return self.hi.nbytes + self.lo.nbytes + self.lo_scale.nbytes
+
+    @property
+    def bits_per_value(self) -> float:
+        return 8.0 * self.nbytes / (self.batch * self.heads * self.d_k * self.d_v)
+
+
+def _f32(x) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(x, dtype=np.float32))
+
+
+def _p(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+def _inputs(q, k, v, g, beta, b: int, h: int, dk: int, dv: int) -> tuple[np.ndarray, ...]:
+    q, k, v, g, beta = (_f32(x) for x in (q, k, v, g, beta))
+    if q.shape != (b, h, dk) or k.shape != (b, h, dk) or v.shape != (b, h, dv) or beta.shape != (b, h):
+        raise ValueError(f"q, k, v, beta shapes {q.shape}, {k.shape}, {v.shape}, {beta.shape} do not fit "
+                         f"a state of {b}x{h}x{dk}x{dv}")
+    if g.shape not in ((b, h), (b, h, dk)):
+        raise ValueError(f"g must be [B, H] (GDN) or [B, H, d_k] (KDA), got {g.shape}")
+    return q, k, v, g, beta
+
+
+def step_f32(state: np.ndarray, q, k, v, g, beta, threads: int = 0) -> np.ndarray:
+    """One step on a float32 C-contiguous state [B, H, d_k, d_v], in place; returns o [B, H, d_v]."""
+    if state.dtype != np.float32 or not state.flags.c_contiguous:
+        raise ValueError("step_f32 updates a C-contiguous float32 state in place")
+    b, h, dk, dv = state.shape
+    q, k, v, g, beta = _inputs(q, k, v, g, beta, b, h, dk, dv)
+    o = np.empty((b, h, dv), dtype=np.float32)
+    rc = library().accel_state_step_f32(b, h, dk, dv, int(g.ndim == 3), _p(state), _p(q), _p(k), _p(v), _p(g),
+                                        _p(beta), _p(o), threads)
+    if rc:
+        raise MemoryError("the state-update kernel could not allocate its scratch")
+    return o
+
+
+def step_mixed(state: MixedState, q, k, v, g, beta, threads: int = 0) -> np.ndarray:
+    """One step on DAMP storage, in place (codes, scales and float16 rows rewritten); returns o [B, H, d_v]."""
+    b, h, dk, dv = state.batch, state.heads, state.d_k, state.d_v
+    q, k, v, g, beta = _inputs(q, k, v, g, beta, b, h, dk, dv)
+    o = np.empty((b, h, dv), dtype=np.float32)
+    rc = library().accel_state_step_mixed(
+        b, h, dk, dv, int(g.ndim == 3), _p(state.slot), state.hi.shape[1], state.lo.shape[1], _p(state.hi),
+        _p(state.lo), _p(state.lo_scale), _p(q), _p(k), _p(v), _p(g), _p(beta), _p(o), threads)
+    if rc:
+        raise MemoryError("the state-update kernel could not allocate its scratch")
+    return o
+
+
+def reference_step(state: np.ndarray, q, k, v, g, beta) -> tuple[np.ndarray, np.ndarray]:
+    """Float64: (o [B, H, d_v], new state [B, H, d_k, d_v])."""
+    s = np.asarray(state, dtype=np.float64)
+    q, k, v, g, beta = (np.asarray(x, dtype=np.float64) for x in (q, k, v, g, beta))
+    alpha = np.exp(g)[..., None, None] if g.ndim == 2 else np.exp(g)[..., None]
+    s = s * alpha
+    mem = np.einsum("bhkv,bhk->bhv", s, k)
+    delta = beta[..., None] * (v - mem)
+    s = s + k[..., :, None] * delta[..., None, :]
+    return np.einsum("bhkv,bhk->bhv", s, q), s
+
+
+def step_torch(state: torch.Tensor, q, k, v, g, beta) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 update as transformers' recurrent GDN / KDA decode path computes it (PyTorch ops)."""
+    alpha = g.exp()[..., None, None] if g.dim() == 2 else g.exp()[..., None]
+    state = state * alpha
+    mem = (state * k[..., None]).sum(dim=-2)
+    delta = (v - mem) * beta[..., None]
+    state = state + k[..., None] * delta[..., None, :]
+    return (state * q[..., None]).sum(dim=-2), state

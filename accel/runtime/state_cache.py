@@ -1,0 +1,334 @@
+"""A transformers cache that keeps GDN / KDA recurrent states in mixed precision between decode steps.
+
+Each linear-attention layer's state [batch, heads, d_k, d_v] is stored per channel (a d_k row of d_v values) in
+one of the row formats below; a scheme says which format each channel gets. The cache quantizes on store
+(`update_recurrent_state`) and dequantizes on load (`get_recurrent_state`); between steps it holds only the
+stored parts, whose bytes it counts (`state_bits_per_value` is measured from them, not computed).
+
+Row formats (`fmt`):
+- `fp32`, `fp16`, `bf16`: the values cast, no side data.
+- `intK` (K = 2..16): symmetric round-to-nearest-even of x · (1 / scale) on 2^K - 1 levels with one float16
+  scale per row (absmax / (2^(K-1) - 1)), codes packed K bits each in a little-endian bit stream (`int8` is one byte a value).
+- `fp8`: float8 e4m3 with one float16 scale per row (absmax / 448).
+
+Uniform baselines register as `--state` methods here (`fp32`, `fp16`, `bf16`, `fp8`, `int8`, `int4`, and
+`int:K` for any K), so `accel eval MODEL --state int8` runs them in the same harness as a DAMP map.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+from accel.errors import AccelError
+from accel.quantize.maps import MapMethod, Runtime, StoredMap
+from accel.runtime.state_shapes import StateShape, state_shape
+
+SCALE_DTYPE = torch.float16
+_FLOATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+FP8_MAX = 448.0
+
+
+def check_format(fmt: str) -> str:
+    if fmt in _FLOATS or fmt == "fp8":
+        return fmt
+    m = re.fullmatch(r"int(\d+)", fmt)
+    if m and 2 <= int(m.group(1)) <= 16:
+        return fmt
+    raise AccelError(f"unknown state format {fmt!r} (fp32, fp16, bf16, fp8, int2..int16)")
+
+
+def int_bits(fmt: str) -> int | None:
+    return int(fmt[3:]) if fmt.startswith("int") else None
+
+
+def row_bits(fmt: str, d_v: int) -> float:
+    """Bits per value of a row in `fmt`, its scale counted (packing slack of a whole tensor is not: < 1 byte)."""
+    if fmt in _FLOATS:
+        return float(torch.finfo(_FLOATS[fmt]).bits)
+    code = 8 if fmt == "fp8" else int_bits(fmt)
+    return code + 16.0 / d_v
+
+
+# ---- bit streams (torch twins of accel.formats.bitpack: same little-endian layout) ----
+
+def pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
+    """Non-negative integers < 2**width (int32/int64) -> uint8 stream, value i at bits [i*width, (i+1)*width)."""
+    flat = codes.reshape(-1).to(torch.int32)
+    if width == 8:
+        return flat.to(torch.uint8)
+    bits = ((flat[:, None] >> torch.arange(width, dtype=torch.int32)) & 1).to(torch.uint8).reshape(-1)
+    pad = (-bits.numel()) % 8
+    if pad:
+        bits = torch.cat([bits, bits.new_zeros(pad)])
+    weights = (1 << torch.arange(8, dtype=torch.int32))
+    return (bits.reshape(-1, 8).to(torch.int32) * weights).sum(1).to(torch.uint8)
+
+
+def unpack_codes(stream: torch.Tensor, width: int, count: int) -> torch.Tensor:
+    if width == 8:
+        return stream.to(torch.int32)
+    bits = ((stream.to(torch.int32)[:, None] >> torch.arange(8, dtype=torch.int32)) & 1).reshape(-1)
+    bits = bits[: count * width].reshape(count, width)
+    return (bits << torch.arange(width, dtype=torch.int32)).sum(1)
+
+
+# ---- row encoders ----
+
+def _scales(rows: torch.Tensor, qmax: float) -> torch.Tensor:
+    absmax = rows.abs().amax(dim=-1)
+    return torch.clamp(absmax / qmax, min=2.0**-24).to(SCALE_DTYPE)
+
+
+def encode_rows(rows: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
+    """rows [N, d_v] float32 -> stored parts."""
+    if fmt in _FLOATS:
+        return {"values": rows.to(_FLOATS[fmt]).contiguous()}
+    if fmt == "fp8":
+        scale = _scales(rows, FP8_MAX)
+        x = torch.clamp(rows * (1.0 / scale.float())[:, None], -FP8_MAX, FP8_MAX)
+        return {"codes": x.to(torch.float8_e4m3fn).view(torch.uint8).contiguous(), "scales": scale}
+    k = int_bits(fmt)
+    qmax = float(2 ** (k - 1) - 1)
+    scale = _scales(rows, qmax)
+    q = torch.clamp(torch.round(rows * (1.0 / scale.float())[:, None]), -qmax, qmax)
+    if k == 8:
+        return {"codes": q.to(torch.int8).contiguous(), "scales": scale}
+    return {"codes": pack_codes(q.to(torch.int32) + int(qmax), k), "scales": scale}
+
+
+def decode_rows(parts: dict[str, torch.Tensor], fmt: str, n: int, d_v: int) -> torch.Tensor:
+    if fmt in _FLOATS:
+        return parts["values"].to(torch.float32)
+    scale = parts["scales"].float()[:, None]
+    if fmt == "fp8":
+        return parts["codes"].view(torch.float8_e4m3fn).to(torch.float32) * scale
+    k = int_bits(fmt)
+    if k == 8:
+        return parts["codes"].to(torch.float32) * scale
+    qmax = 2 ** (k - 1) - 1
+    q = unpack_codes(parts["codes"], k, n * d_v).reshape(n, d_v) - qmax
+    return q.to(torch.float32) * scale
+
+
+def quantize_rows(rows: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Round trip through `fmt` (what a store then a load gives)."""
+    return decode_rows(encode_rows(rows, fmt), fmt, rows.shape[0], rows.shape[1])
+
+
+# ---- schemes: which format each channel gets ----
+
+@dataclass
+class StoredState:
+    """One layer's state between steps: the stored parts of its high and low channel groups."""
+
+    batch: int
+    parts: dict[str, torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(t.numel() * t.element_size() for t in self.parts.values()))
+
+
+@dataclass
+class StateScheme:
+    """Per layer, a boolean [heads, d_k] mask of the channels stored in `high`; the rest are stored in `low`."""
+
+    shape: StateShape
+    low: str
+    high: str = "fp16"
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)  # layer index -> bool [heads * d_k]
+
+    def __post_init__(self) -> None:
+        check_format(self.low)
+        check_format(self.high)
+        self._index: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer, mask in self.masks.items():
+            flat = torch.as_tensor(mask, dtype=torch.bool).reshape(-1)
+            self._index[layer] = (torch.nonzero(flat).reshape(-1), torch.nonzero(~flat).reshape(-1))
+
+    def split(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(high row indices, low row indices) into the layer's heads * d_k rows."""
+        if layer not in self._index:
+            rows = self.shape.heads * self.shape.d_k
+            self._index[layer] = (torch.zeros(0, dtype=torch.long), torch.arange(rows))
+        return self._index[layer]
+
+    def store(self, layer: int, state: torch.Tensor) -> StoredState:
+        b, h, dk, dv = state.shape
+        if (h, dk, dv) != (self.shape.heads, self.shape.d_k, self.shape.d_v):
+            raise AccelError(f"layer {layer}: state of {h}x{dk}x{dv}, the scheme is for "
+                             f"{self.shape.heads}x{self.shape.d_k}x{self.shape.d_v}")
+        rows = state.detach().to(torch.float32).reshape(b, h * dk, dv)
+        hi, lo = self.split(layer)
+        parts = {}
+        if hi.numel():
+            for key, t in encode_rows(rows[:, hi].reshape(-1, dv), self.high).items():
+                parts[f"high.{key}"] = t
+        if lo.numel():
+            for key, t in encode_rows(rows[:, lo].reshape(-1, dv), self.low).items():
+                parts[f"low.{key}"] = t
+        return StoredState(b, parts)
+
+    def load(self, layer: int, stored: StoredState) -> torch.Tensor:
+        s = self.shape
+        b = stored.batch
+        hi, lo = self.split(layer)
+        rows = torch.empty(b, s.heads * s.d_k, s.d_v, dtype=torch.float32)
+        for idx, fmt, group in ((hi, self.high, "high."), (lo, self.low, "low.")):
+            if idx.numel():
+                parts = {k[len(group):]: t for k, t in stored.parts.items() if k.startswith(group)}
+                rows[:, idx] = decode_rows(parts, fmt, b * idx.numel(), s.d_v).reshape(b, idx.numel(), s.d_v)
+        return rows.reshape(b, s.heads, s.d_k, s.d_v)
+
+    def bits_per_value(self) -> float:
+        """Expected bits per value at batch 1 (the cache measures the real figure)."""
+        hi = sum(int(m.sum()) for m in self.masks.values())
+        total = self.shape.channels
+        return (hi * row_bits(self.high, self.shape.d_v) + (total - hi) * row_bits(self.low, self.shape.d_v)) / total
+
+
+class QuantizedStateCache(DynamicCache):
+    """DynamicCache whose linear-attention recurrent states live in a `StateScheme`'s storage between steps."""
+
+    def __init__(self, config: Any, scheme: StateScheme):
+        super().__init__(config=config)
+        self.scheme = scheme
+        self.stored: dict[int, StoredState] = {}
+        self.loads = 0
+        self.stores = 0
+
+    def _linear(self, layer_idx: int) -> LinearAttentionCacheLayerMixin:
+        layer = self.layers[layer_idx]
+        if not isinstance(layer, LinearAttentionCacheLayerMixin):
+            raise TypeError(f"layer {layer_idx} ({type(layer).__name__}) keeps no recurrent state")
+        return layer
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        layer = self._linear(layer_idx)
+        if state_idx != 0:
+            return super().get_recurrent_state(layer_idx, state_idx)
+        if not layer.has_previous_state[0] or layer_idx not in self.stored:
+            return None
+        self.loads += 1
+        return self.scheme.load(layer_idx, self.stored[layer_idx])
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                               **kwargs: Any) -> torch.Tensor:
+        self._linear(layer_idx)
+        if state_idx != 0:
+            return super().update_recurrent_state(recurrent_states, layer_idx, state_idx, **kwargs)
+        self.stored[layer_idx] = self.scheme.store(layer_idx, recurrent_states)
+        self.stores += 1
+        return recurrent_states
+
+    def state_nbytes(self) -> int:
+        """Bytes the stored states occupy now (all layers)."""
+        return sum(s.nbytes for s in self.stored.values())
+
+    def state_values(self) -> int:
+        s = self.scheme.shape
+        return sum(st.batch for st in self.stored.values()) * s.heads * s.d_k * s.d_v
+
+    def reset(self) -> None:
+        super().reset()
+        self.stored.clear()
+
+
+class StateRuntime(Runtime):
+    """`accel eval`'s side of a state scheme: a fresh cache per window; bytes measured on the caches made."""
+
+    def __init__(self, model: Any, scheme: StateScheme):
+        self.model, self.scheme = model, scheme
+        self.caches: list[QuantizedStateCache] = []
+
+    def make_cache(self) -> QuantizedStateCache:
+        cache = QuantizedStateCache(self.model.config, self.scheme)
+        self.caches.append(cache)
+        return cache
+
+    def report(self) -> dict[str, Any]:
+        used = [c for c in self.caches if c.stored]
+        if not used:
+            return {}
+        nbytes = sum(c.state_nbytes() for c in used)
+        values = sum(c.state_values() for c in used)
+        s = self.scheme.shape
+        per_seq = nbytes / len(used)
+        return {"state_bits_per_value": 8.0 * nbytes / values, "state_bytes": per_seq,
+                "state_fp32_bytes": 4 * s.values, "state_layers": len(s.layers)}
+
+
+# ---- uniform baselines as --state methods ----
+
+class _Uniform(MapMethod):
+    """Every channel in one format (a baseline in the same harness as DAMP)."""
+
+    fmt: str = ""
+
+    def _format(self, arg: str | None) -> str:
+        if self.fmt:
+            if arg is not None:
+                raise AccelError(f"--state {self.name} takes no argument (got {arg!r})")
+            return self.fmt
+        if arg is None or not arg.isdigit():
+            raise AccelError("--state int:K needs a bit width K (2..16), e.g. int:6")
+        return check_format(f"int{arg}")
+
+    def from_eval_spec(self, arg: str | None, config: dict[str, Any]) -> StoredMap:
+        fmt = self._format(arg)
+        shape = state_shape(config)
+        return StoredMap("state", self.name, {"format": fmt, "shape": shape.to_json(),
+                                              "bits_per_value": row_bits(fmt, shape.d_v)})
+
+    def build(self, arg: str | None, ctx: Any) -> StoredMap:
+        return self.from_eval_spec(arg, ctx.config)
+
+    def check(self, stored: StoredMap, config: dict[str, Any]) -> None:
+        check_shape(stored, state_shape(config))
+        check_format(str(stored.params.get("format")))
+
+    def runtime(self, stored: StoredMap, model: Any) -> StateRuntime:
+        shape = state_shape(model.config)
+        return StateRuntime(model, StateScheme(shape, low=stored.params["format"]))
+
+
+def check_shape(stored: StoredMap, shape: StateShape) -> None:
+    """Refuse a state map made for another model (layers, heads or channels differ)."""
+    doc = stored.params.get("shape")
+    if not isinstance(doc, dict):
+        raise AccelError(f"the state map ({stored.method}) does not record the state shape it was made for")
+    try:
+        theirs = StateShape(str(doc["arch"]), tuple(int(i) for i in doc["layers"]), int(doc["heads"]),
+                            int(doc["d_k"]), int(doc["d_v"]))
+    except (KeyError, TypeError, ValueError):
+        raise AccelError(f"the state map ({stored.method}) has a malformed shape record: {doc!r}") from None
+    if theirs != shape:
+        raise AccelError(f"the state map is for {theirs.describe()} ({theirs.arch}, layers "
+                         f"{list(theirs.layers)}), but the model has {shape.describe()} ({shape.arch}, layers "
+                         f"{list(shape.layers)})")
+
+
+def _uniform(name: str, fmt: str, text: str) -> None:
+    """Register a uniform --state method (the class registers itself on creation)."""
+    type(f"Uniform_{name}", (_Uniform,), {"fmt": fmt, "description": text}, kind="state", name=name)
+
+
+for _name, _fmt, _text in (("fp32", "fp32", "float32 state (transformers' own precision)"),
+                           ("fp16", "fp16", "float16 state"), ("bf16", "bf16", "bfloat16 state"),
+                           ("fp8", "fp8", "float8 e4m3 with a float16 scale per channel"),
+                           ("int8", "int8", "INT8 with a float16 scale per channel"),
+                           ("int4", "int4", "INT4 with a float16 scale per channel"),
+                           ("int", "", "INT-K (int:K) with a float16 scale per channel")):
+    _uniform(_name, _fmt, _text)
+
+
+def masks_from_array(high: np.ndarray, shape: StateShape) -> dict[int, torch.Tensor]:
+    """[layers, heads, d_k] 0/1 array -> {layer index: bool mask}."""
+    return {layer: torch.from_numpy(np.asarray(high[i]) != 0).reshape(-1) for i, layer in enumerate(shape.layers)}

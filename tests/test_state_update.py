@@ -1,0 +1,94 @@
+"""The recurrent-state update kernels against the float64 reference (GDN and KDA decay)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from accel.kernels import state_update as su
+from accel.kernels import state_update_triton
+
+pytestmark = pytest.mark.skipif(not su.available(), reason="no C compiler for the state-update kernel")
+
+
+def _step_inputs(rng, b, h, dk, dv, kda):
+    q = rng.normal(size=(b, h, dk))
+    q /= np.linalg.norm(q, axis=-1, keepdims=True) * np.sqrt(dk)
+    k = rng.normal(size=(b, h, dk))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.normal(size=(b, h, dv))
+    g = -rng.random((b, h, dk) if kda else (b, h)) * 0.3
+    beta = rng.random((b, h))
+    return q, k, v, g, beta
+
+
+@pytest.mark.parametrize("kda", [False, True])
+@pytest.mark.parametrize("dims", [(2, 4, 32, 32), (1, 3, 16, 20)])
+def test_mixed_step_matches_float64_reference(kda, dims):
+    b, h, dk, dv = dims
+    rng = np.random.default_rng(7)
+    high = (rng.random((h, dk)) < 0.25).astype(np.uint8)
+    state = su.MixedState.from_float(rng.normal(size=dims) * 0.3, high)
+    for _ in range(3):  # several steps: the kernel reads what it wrote
+        start = state.to_float()
+        inp = _step_inputs(rng, b, h, dk, dv, kda)
+        o_ref, s_ref = su.reference_step(start, *inp)
+        o = su.step_mixed(state, *inp, threads=1)
+        np.testing.assert_allclose(o, o_ref, rtol=0, atol=2e-6 * np.abs(o_ref).max())
+        # the stored state is the reference state encoded: int8 rows within half a step, fp16 rows to fp16
+        got = state.to_float().reshape(b, h * dk, dv)
+        ref = s_ref.reshape(b, h * dk, dv)
+        hi = high.reshape(-1) != 0
+        np.testing.assert_allclose(got[:, hi], ref[:, hi], rtol=2**-10, atol=1e-7)
+        step = np.abs(ref[:, ~hi]).max(axis=-1, keepdims=True) / 127
+        assert (np.abs(got[:, ~hi] - ref[:, ~hi]) <= 0.5 * step * 1.01 + 1e-7).all()
+        # and it is bit-for-bit what the runtime's encoder makes of the same float32 rows (rare tie flips aside)
+        again = su.MixedState.from_float(s_ref.astype(np.float32), high)
+        assert (again.lo == state.lo).mean() > 0.999 and (again.lo_scale == state.lo_scale).mean() > 0.99
+
+
+@pytest.mark.parametrize("kda", [False, True])
+def test_float32_step_matches_reference_and_torch(kda):
+    rng = np.random.default_rng(3)
+    s = (rng.normal(size=(2, 4, 32, 16)) * 0.3).astype(np.float32)
+    inp = _step_inputs(rng, 2, 4, 32, 16, kda)
+    o_ref, s_ref = su.reference_step(s, *inp)
+    o_t, s_t = su.step_torch(torch.from_numpy(s), *(torch.from_numpy(np.asarray(x, dtype=np.float32))
+                                                    for x in inp))
+    o = su.step_f32(s, *inp, threads=1)
+    np.testing.assert_allclose(o, o_ref, atol=1e-5)
+    np.testing.assert_allclose(s, s_ref, atol=1e-5)
+    np.testing.assert_allclose(o_t.numpy(), o_ref, atol=1e-5)
+    np.testing.assert_allclose(s_t.numpy(), s_ref, atol=1e-5)
+
+
+def test_mixed_state_storage_bits():
+    high = np.zeros((32, 128), dtype=np.uint8)
+    high.reshape(-1)[: int(0.225 * 32 * 128)] = 1
+    state = su.MixedState.from_float(np.zeros((1, 32, 128, 128), np.float32), high)
+    assert state.bits_per_value == pytest.approx(9.9, abs=0.01)
+    with pytest.raises(ValueError, match="do not fit"):
+        su.step_mixed(state, *(np.zeros(s) for s in [(1, 32, 64), (1, 32, 64), (1, 32, 128), (1, 32), (1, 32)]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not state_update_triton.available(), reason="needs Triton and a CUDA GPU (or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("kda", [False, True])
+def test_triton_step_matches_reference(kda):  # pragma: no cover - needs Triton
+    rng = np.random.default_rng(5)
+    b, h, dk, dv = 2, 8, 64, 64
+    high = (rng.random((h, dk)) < 0.2).astype(np.uint8)
+    state = su.MixedState.from_float(rng.normal(size=(b, h, dk, dv)) * 0.3, high)
+    inp = _step_inputs(rng, b, h, dk, dv, kda)
+    o_ref, s_ref = su.reference_step(state.to_float(), *inp)
+    where = state_update_triton.device()
+    dev = [torch.from_numpy(np.ascontiguousarray(a)).to(where) for a in
+           (state.slot, state.hi.view(np.float16), state.lo, state.lo_scale.view(np.float16))]
+    o = state_update_triton.step_mixed_triton(*dev, *(torch.from_numpy(np.asarray(x, np.float32)).to(where)
+                                                      for x in inp))
+    np.testing.assert_allclose(o.cpu().numpy(), o_ref, atol=1e-5 * np.abs(o_ref).max())
+    state.hi[...] = dev[1].cpu().numpy().view(np.uint16)
+    state.lo[...] = dev[2].cpu().numpy()
+    state.lo_scale[...] = dev[3].cpu().numpy().view(np.uint16)
+    np.testing.assert_allclose(state.to_float(), s_ref, atol=np.abs(s_ref).max() / 127)
