@@ -10,7 +10,7 @@ from accel.kernels import _build
 from accel.kernels.reference import reference_matvec, reference_weight
 from accel.quantize.incoherence import rht
 
-pytestmark = pytest.mark.skipif(not _build.available(), reason="no C compiler for the accel CPU kernels")
+pytestmark = pytest.mark.skipif(not _build.compiler_available(), reason="no C compiler for the accel CPU kernels")
 
 SHAPES = [(37, 53), (17, 47), (33, 49), (1, 97), (40, 96), (5, 23)]  # 24k +- 1 columns, rows of no pattern
 AFFINE = [  # (levels, layout, symmetric, group)

@@ -14,7 +14,7 @@ from accel.kernels import _build, triton_kernels
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not triton_kernels.available(), reason="needs triton and a CUDA GPU "
                                  "(or TRITON_INTERPRET=1)"),
-              pytest.mark.skipif(not _build.available(), reason="no C compiler for the accel CPU kernels")]
+              pytest.mark.skipif(not _build.compiler_available(), reason="no C compiler for the accel CPU kernels")]
 
 CASES = [
     ("affine", {"levels": 256, "group": 64}), ("affine", {"levels": 16, "group": 64}),

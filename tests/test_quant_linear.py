@@ -9,7 +9,7 @@ import torch
 from accel.formats.tensor import encode_tensor
 from accel.kernels import _build
 
-pytestmark = pytest.mark.skipif(not _build.available(), reason="no C compiler for the accel CPU kernels")
+pytestmark = pytest.mark.skipif(not _build.compiler_available(), reason="no C compiler for the accel CPU kernels")
 
 
 def _layer(rng, codec, shape, **params):

@@ -120,6 +120,15 @@ def library() -> ctypes.CDLL:
     return lib
 
 
+def compiler_available() -> bool:
+    """A C compiler is there (so a failing build is a bug, not a missing tool)."""
+    try:
+        _compiler()
+    except KernelUnavailable:
+        return False
+    return True
+
+
 def available() -> bool:
     try:
         library()

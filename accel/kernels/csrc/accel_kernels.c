@@ -391,49 +391,51 @@ static float *group_sums(const float *x, int64_t cols, int64_t group, int64_t ng
 
 /* ----------------------------------------------------------------------------------------- affine (base-L) */
 
-/* digits of group values: a lookup table when L^g is small, else division */
+/* digits of group values: a lookup table of all 2^B values when B <= 16 (values past L^g, which only a corrupt
+ * stream holds, decode to zeros), else division */
 typedef struct {
-    uint8_t *table; /* L^g entries of 8 bytes (digits), or NULL */
-    int64_t entries;
+    uint8_t *table; /* 2^B entries of 8 bytes (the digits), or NULL */
 } BaseTable;
 
-static BaseTable base_table(int L, int g) {
-    BaseTable t = {NULL, 0};
-    double size = pow((double)L, (double)g);
-    if (size > 65536.0) return t;
-    t.entries = (int64_t)(size + 0.5);
-    t.table = xalloc((size_t)t.entries * 8);
-    for (int64_t v = 0; v < t.entries; v++) {
+static BaseTable base_table(int L, int g, int B) {
+    BaseTable t = {NULL};
+    if (B > 16) return t;
+    int64_t valid = 1;
+    for (int j = 0; j < g; j++) valid *= L;
+    t.table = xalloc((size_t)8 << B);
+    memset(t.table, 0, (size_t)8 << B);
+    for (int64_t v = 0; v < valid; v++) {
         int64_t rest = v;
-        for (int j = 0; j < 8; j++) {
-            t.table[v * 8 + j] = (uint8_t)(j < g ? rest % L : 0);
-            if (j < g) rest /= L;
-        }
+        for (int j = 0; j < g; j++, rest /= L) t.table[v * 8 + j] = (uint8_t)(rest % L);
     }
     return t;
 }
 
-/* codes [k0, k0 + count) of a base-L stream into out[0 .. count) */
+/* codes [k0, k0 + count) of a base-L stream into out[0 .. count); out has 8 bytes of slack, since every group
+ * is written as one 8-byte store (its digits, then bytes the next group overwrites) */
 static void base_unpack(const Affine *a, const BaseTable *t, int64_t k0, int64_t count, uint8_t *out) {
-    const int g = a->base_g, B = a->base_B, L = a->levels;
-    int64_t k = k0, end = k0 + count;
-    while (k < end) {
-        int64_t grp = k / g;
-        int first = (int)(k - grp * g);
-        uint64_t v = get_wide(a->codes, a->nbytes, (uint64_t)grp * (uint64_t)B, B);
-        uint8_t digits[8];
-        if (t->table && v < (uint64_t)t->entries) {
-            memcpy(digits, t->table + v * 8, 8);
-        } else {
-            for (int j = 0; j < g; j++) {
-                digits[j] = (uint8_t)(v % (uint64_t)L);
-                v /= (uint64_t)L;
-            }
+    const int g = a->base_g, B = a->base_B;
+    const uint64_t L = (uint64_t)a->levels;
+    int64_t grp = k0 / g, pos = grp * g - k0; /* where the group's digit 0 lands in out (< 0 for the first) */
+    uint64_t bitpos = (uint64_t)grp * (uint64_t)B;
+    for (; pos < count; pos += g, bitpos += (uint64_t)B) {
+        if (B == 8 && t->table && pos >= 0) { /* one byte a group (L = 3): a table load and a store per group */
+            const uint8_t *src = a->codes + (bitpos >> 3), *tab = t->table;
+            for (int64_t i = 0, n = (count - pos + g - 1) / g; i < n; i++)
+                memcpy(out + pos + i * g, tab + 8 * (size_t)src[i], 8);
+            return;
         }
-        int take = g - first;
-        if (take > end - k) take = (int)(end - k);
-        memcpy(out + (k - k0), digits + first, (size_t)take);
-        k += take;
+        uint64_t v = get_wide(a->codes, a->nbytes, bitpos, B), digits = 0;
+        if (t->table) {
+            memcpy(&digits, t->table + 8 * v, 8);
+        } else {
+            for (int j = 0; j < g; j++, v /= L) digits |= (v % L) << (8 * j);
+        }
+        if (pos >= 0) {
+            memcpy(out + pos, &digits, 8);
+        } else {
+            for (int64_t j = -pos; j < g && pos + j < count; j++) out[pos + j] = (uint8_t)(digits >> (8 * j));
+        }
     }
 }
 
@@ -484,13 +486,13 @@ API int accel_affine_matvec(const uint8_t *codes, int64_t nbytes, int bits, int 
         for (int k = 0; k < per; k++)
             for (int64_t i = 0; i < nbr; i++) zd[k * nbr + i] = x[i * per + k];
     }
-    BaseTable table = {NULL, 0};
-    if (base_g) table = base_table(levels, base_g);
+    BaseTable table = {NULL};
+    if (base_g) table = base_table(levels, base_g, base_B);
     int nt = threads_for(nthreads, (double)rows * cols);
 #pragma omp parallel num_threads(nt)
     {
         float *sc = xalloc((size_t)a.ngroups * sizeof(float));
-        uint8_t *q = base_g ? xalloc((size_t)cols) : NULL;
+        uint8_t *q = base_g ? xalloc((size_t)cols + 8) : NULL;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             if (base_g) {
@@ -522,13 +524,13 @@ API int accel_affine_decode_rows(const uint8_t *codes, int64_t nbytes, int bits,
     Affine a = {codes, nbytes, bits, levels, symmetric, scale_f32, base_g, base_B, scale, offset, rows, cols, group,
                 (cols + group - 1) / group};
     if (affine_check(&a) || (!symmetric && !offset) || r0 < 0 || r1 > rows || r0 > r1) return -1;
-    BaseTable table = {NULL, 0};
-    if (base_g) table = base_table(levels, base_g);
+    BaseTable table = {NULL};
+    if (base_g) table = base_table(levels, base_g, base_B);
     float mid = 0.5f * (float)(levels - 1);
     int nt = threads_for(nthreads, (double)(r1 - r0) * cols);
 #pragma omp parallel num_threads(nt)
     {
-        uint8_t *q = xalloc((size_t)cols);
+        uint8_t *q = xalloc((size_t)cols + 8);
 #pragma omp for schedule(static)
         for (int64_t r = r0; r < r1; r++) {
             if (base_g) {
@@ -621,6 +623,16 @@ AI __m512i tile_offsets(int64_t rowbytes) {
                               _mm512_set1_epi32((int)rowbytes));
 }
 
+/* the 16 rows of a tile sit in 16 x planes separate streams, more than the hardware prefetcher follows: fetch
+ * each row's line of every plane PREFETCH bytes ahead once per 64 bytes */
+#define PREFETCH 256
+AI void tile_prefetch(const uint8_t *p, int64_t rowbytes, int64_t plane_stride, int planes, int nr, int64_t k) {
+    if ((k & 63) || k + PREFETCH >= rowbytes) return;
+    for (int j = 0; j < planes; j++)
+        for (int i = 0; i < nr; i++) _mm_prefetch((const char *)(p + i * rowbytes + j * plane_stride + k + PREFETCH),
+                                                  _MM_HINT_T0);
+}
+
 /* a byte's contribution by table lookup (the scalar tail of a tile) */
 static inline float byte_lookup(const float *tab, int64_t k, unsigned byte) {
     return tab[32 * k + (byte & 15)] + tab[32 * k + 16 + (byte >> 4)];
@@ -632,10 +644,11 @@ AI void planes_tile_t(const uint8_t *base, int64_t plane_stride, int64_t rowbyte
     const __mmask16 lanes = (__mmask16)((1u << nr) - 1u);
     const __m512i vidx = tile_offsets(rowbytes);
     const uint8_t *p = base + r0 * rowbytes;
-    __m512 acc[4][2];
-    for (int j = 0; j < bits; j++) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
+    __m512 acc[4];
+    for (int j = 0; j < bits; j++) acc[j] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 4 <= rowbytes; k += 4) {
+        tile_prefetch(p, rowbytes, plane_stride, bits, nr, k);
         __m512i G[4];
         for (int j = 0; j < bits; j++)
             G[j] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, vidx, p + j * plane_stride + k, 1);
@@ -644,15 +657,15 @@ AI void planes_tile_t(const uint8_t *base, int64_t plane_stride, int64_t rowbyte
             const __m512 tlo = _mm512_load_ps(tk + 32 * b), thi = _mm512_load_ps(tk + 32 * b + 16);
             for (int j = 0; j < bits; j++) {
                 __m512i g = b ? _mm512_srli_epi32(G[j], 8 * b) : G[j];
-                acc[j][0] = _mm512_add_ps(acc[j][0], _mm512_permutexvar_ps(g, tlo));
-                acc[j][1] = _mm512_add_ps(acc[j][1], _mm512_permutexvar_ps(_mm512_srli_epi32(g, 4), thi));
+                acc[j] = _mm512_add_ps(acc[j], _mm512_add_ps(_mm512_permutexvar_ps(g, tlo),
+                                                             _mm512_permutexvar_ps(_mm512_srli_epi32(g, 4), thi)));
             }
         }
     }
     __m512 v = _mm512_setzero_ps();
     for (int j = 0; j < bits; j++) {
         float w = j == bits - 1 ? -(float)(1 << j) : (float)(1 << j);
-        v = _mm512_fmadd_ps(_mm512_add_ps(acc[j][0], acc[j][1]), _mm512_set1_ps(w), v);
+        v = _mm512_fmadd_ps(acc[j], _mm512_set1_ps(w), v);
     }
     _mm512_mask_storeu_ps(out, lanes, v);
     for (; k < rowbytes; k++)
@@ -663,62 +676,75 @@ AI void planes_tile_t(const uint8_t *base, int64_t plane_stride, int64_t rowbyte
             }
 }
 
-/* out[i] = sum_c x_c z_c for rows r0 + i of a onehot stage, x = (1 - 2 s) (2 m + p) with m = sum_k k [mask k];
- * pm: the tile's parity spread to one bit per coordinate (row i at pm + i * rowbytes). The magnitude bits are
- * ORs of masks (vpternlogd), so the lookups are 2 (bits + parity), each once plain and once ANDed with the sign */
+/* A onehot stage is turned into planes on the fly, bit-sliced (each operation handles 32 coordinates of 16 rows):
+ * with m = sum_k k [mask k], p the parity and s the sign, x = (1 - 2 s)(2 m + p) = 2 v + p for
+ * v = s ? -(m + p) : m, computed as u = m + (p & s), v = (u ^ s) + s in two's complement on nb + 1 bits
+ * (nb = bits of K + 1). The planes of v then go through the planes lookups; p through the parity term. */
+#define ONEHOT_SLICE(T, ZERO, Mk, Pm, S, V, K, nb)                                                                     \
+    do {                                                                                                           \
+        T u[4], carry = (Pm) & (S);                                                                                \
+        for (int q = 0; q < (nb); q++) {                                                                           \
+            T mq = (ZERO);                                                                                         \
+            for (int m = 1; m <= (K); m++)                                                                         \
+                if ((m >> q) & 1) mq = mq | (Mk)[m - 1];                                                           \
+            u[q] = mq ^ carry;                                                                                     \
+            carry = mq & carry;                                                                                    \
+        }                                                                                                          \
+        carry = (S);                                                                                               \
+        for (int q = 0; q <= (nb); q++) {                                                                          \
+            T w = (q < (nb) ? u[q] : (ZERO)) ^ (S);                                                                \
+            (V)[q] = w ^ carry;                                                                                    \
+            carry = w & carry;                                                                                     \
+        }                                                                                                          \
+    } while (0)
+
+AI int onehot_value_bits(const int K) { return (K + 1) >= 4 ? 3 : ((K + 1) >= 2 ? 2 : 1); }
+
+/* out[i] = sum_c v_c z_c (see above) for rows r0 + i of a onehot stage; pm: the tile's parity spread to one bit
+ * per coordinate (row i at pm + i * rowbytes) */
 AI void onehot_tile_t(const uint8_t *base, int64_t plane_stride, int64_t rowbytes, int64_t r0, int nr,
                       const uint8_t *pm, const float *tab, float *out, const int K) {
-    const int nb = K >= 4 ? 3 : (K >= 2 ? 2 : 1); /* magnitude bits */
+    const int nb = onehot_value_bits(K), bits = nb + 1;
     const __mmask16 lanes = (__mmask16)((1u << nr) - 1u);
     const __m512i vidx = tile_offsets(rowbytes);
     const uint8_t *p = base + r0 * rowbytes;
-    __m512 acc[8];
-    float w[8];
-    for (int q = 0; q <= nb; q++) {
-        w[q] = q < nb ? (float)(2 << q) : 1.0f; /* bit t of m weighs 2 * 2^t; parity 1 */
-        w[q + 4] = -2.0f * w[q];                 /* the same with the sign set */
-        acc[q] = acc[q + 4] = _mm512_setzero_ps();
-    }
+    __m512 acc[4];
+    for (int j = 0; j < bits; j++) acc[j] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 4 <= rowbytes; k += 4) {
-        __m512i Q[8];
-        for (int q = 0; q < nb; q++) Q[q] = _mm512_setzero_si512();
-        for (int m = 1; m <= K; m++) {
-            __m512i M = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, vidx,
-                                                    p + (m - 1) * plane_stride + k, 1);
-            for (int q = 0; q < nb; q++)
-                if ((m >> q) & 1) Q[q] = _mm512_or_si512(Q[q], M);
-        }
-        Q[nb] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, vidx, pm + k, 1);
+        tile_prefetch(p, rowbytes, plane_stride, K + 1, nr, k);
+        __m512i M[6], V[4];
+        for (int m = 0; m < K; m++)
+            M[m] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, vidx, p + m * plane_stride + k, 1);
         __m512i S = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, vidx, p + K * plane_stride + k, 1);
-        for (int q = 0; q <= nb; q++) Q[q + 4] = _mm512_and_si512(Q[q], S);
+        __m512i P = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, vidx, pm + k, 1);
+        ONEHOT_SLICE(__m512i, _mm512_setzero_si512(), M, P, S, V, K, nb);
         const float *tk = tab + 32 * k;
         for (int b = 0; b < 4; b++) {
             const __m512 tlo = _mm512_load_ps(tk + 32 * b), thi = _mm512_load_ps(tk + 32 * b + 16);
-            for (int q = 0; q < 8; q++) {
-                if ((q & 3) > nb) continue;
-                __m512i g = b ? _mm512_srli_epi32(Q[q], 8 * b) : Q[q];
-                acc[q] = _mm512_add_ps(acc[q], _mm512_add_ps(_mm512_permutexvar_ps(g, tlo),
+            for (int j = 0; j < bits; j++) {
+                __m512i g = b ? _mm512_srli_epi32(V[j], 8 * b) : V[j];
+                acc[j] = _mm512_add_ps(acc[j], _mm512_add_ps(_mm512_permutexvar_ps(g, tlo),
                                                              _mm512_permutexvar_ps(_mm512_srli_epi32(g, 4), thi)));
             }
         }
     }
     __m512 v = _mm512_setzero_ps();
-    for (int q = 0; q < 8; q++)
-        if ((q & 3) <= nb) v = _mm512_fmadd_ps(acc[q], _mm512_set1_ps(w[q]), v);
+    for (int j = 0; j < bits; j++) {
+        float w = j == bits - 1 ? -(float)(1 << j) : (float)(1 << j);
+        v = _mm512_fmadd_ps(acc[j], _mm512_set1_ps(w), v);
+    }
     _mm512_mask_storeu_ps(out, lanes, v);
     for (; k < rowbytes; k++)
         for (int i = 0; i < nr; i++) {
-            unsigned bq[4] = {0, 0, 0, 0};
-            for (int m = 1; m <= K; m++) {
-                unsigned M = p[i * rowbytes + (m - 1) * plane_stride + k];
-                for (int q = 0; q < nb; q++)
-                    if ((m >> q) & 1) bq[q] |= M;
+            unsigned M[6], V[4];
+            for (int m = 0; m < K; m++) M[m] = p[i * rowbytes + m * plane_stride + k];
+            unsigned S = p[i * rowbytes + K * plane_stride + k], P = pm[i * rowbytes + k];
+            ONEHOT_SLICE(unsigned, 0u, M, P, S, V, K, nb);
+            for (int j = 0; j < bits; j++) {
+                float w = j == bits - 1 ? -(float)(1 << j) : (float)(1 << j);
+                out[i] += w * byte_lookup(tab, k, V[j] & 0xffu);
             }
-            bq[nb] = pm[i * rowbytes + k];
-            unsigned S = p[i * rowbytes + K * plane_stride + k];
-            for (int q = 0; q <= nb; q++)
-                out[i] += w[q] * byte_lookup(tab, k, bq[q]) + w[q + 4] * byte_lookup(tab, k, bq[q] & S);
         }
 }
 
@@ -836,13 +862,10 @@ static void leech_rows(const Leech *L, const float *z, const float *zb, float *t
                     for (int i = 0; i < nr; i++) spread_parity(par, (r0 + i) * L->nblk, L->nblk, pm + i * rowbytes);
 #if HAVE_AVX512
                 if (g_simd) {
-                    if (onehot) {
-                        onehot_tile(base, plane, rowbytes, r0, nr, pm, tab, vals, L->param[s]);
-                    } else {
-                        planes_tile(base, plane, rowbytes, r0, nr, tab, vals, L->param[s]);
-                        for (int i = 0; i < nr; i++)
-                            vals[i] = 2.0f * vals[i] + parity_term(par, parbytes, (r0 + i) * L->nblk, L->nblk, zb);
-                    }
+                    if (onehot) onehot_tile(base, plane, rowbytes, r0, nr, pm, tab, vals, L->param[s]);
+                    else planes_tile(base, plane, rowbytes, r0, nr, tab, vals, L->param[s]);
+                    for (int i = 0; i < nr; i++) /* x = 2 v + p */
+                        vals[i] = 2.0f * vals[i] + parity_term(par, parbytes, (r0 + i) * L->nblk, L->nblk, zb);
                 } else
 #endif
                 {
