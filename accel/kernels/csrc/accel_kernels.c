@@ -353,12 +353,61 @@ AI float affine_row_t(const Affine *a, int64_t r, const float *x, const float *z
     return hsum(acc) + extra;
 }
 
+/* 4 and 2 bits: the group's scale is folded into the code table (t = s * [0, 1, 2, ...]), so the code lanes
+ * accumulate straight into per-code-position sums across groups, with no per-group reduction */
+AI void lut_step_t(__m512i v, __mmask16 m, __m512 t, const float *z0, const float *z1, const float *z2,
+                   const float *z3, __m512 *d0, __m512 *d1, __m512 *d2, __m512 *d3, const int bits) {
+    *d0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(v, t), _mm512_maskz_loadu_ps(m, z0), *d0);
+    if (bits == 4) {
+        *d1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), t), _mm512_maskz_loadu_ps(m, z1), *d1);
+    } else {
+        *d1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 2), t), _mm512_maskz_loadu_ps(m, z1), *d1);
+        *d2 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), t), _mm512_maskz_loadu_ps(m, z2), *d2);
+        *d3 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 6), t), _mm512_maskz_loadu_ps(m, z3), *d3);
+    }
+}
+
+AI float affine_row_lut_t(const Affine *a, int64_t r, const float *zd, const float *gsum, float *sc,
+                          const int bits) {
+    float extra = affine_row_sides(a, r, gsum, sc);
+    const int per = 8 / bits;
+    const int64_t nbr = a->cols / per, gbytes = a->group / per;
+    const uint8_t *row = a->codes + (r * a->cols) / per;
+    const float *z0 = zd, *z1 = zd + nbr, *z2 = zd + 2 * nbr, *z3 = zd + 3 * nbr;
+    const __m512 base = code_table(bits);
+    __m512 d0 = _mm512_setzero_ps(), d1 = d0, d2 = d0, d3 = d0, e0 = d0, e1 = d0;
+    int64_t b0 = 0;
+    for (int64_t g = 0; g < a->ngroups; g++, b0 += gbytes) {
+        const int64_t b1 = b0 + gbytes < nbr ? b0 + gbytes : nbr;
+        const __m512 t = _mm512_mul_ps(base, _mm512_set1_ps(sc[g]));
+        _mm_prefetch((const char *)(row + b0 + 1024), _MM_HINT_T0);
+        int64_t b = b0;
+        if (bits == 4)
+            for (; b + 32 <= b1; b += 32) { /* two steps into separate sums: the FMA latency is not the limit */
+                lut_step_t(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + b))), 0xffff, t, z0 + b,
+                           z1 + b, z2, z3, &d0, &d1, &d2, &d3, 4);
+                lut_step_t(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + b + 16))), 0xffff, t,
+                           z0 + b + 16, z1 + b + 16, z2, z3, &e0, &e1, &d2, &d3, 4);
+            }
+        for (; b + 16 <= b1; b += 16)
+            lut_step_t(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + b))), 0xffff, t, z0 + b, z1 + b,
+                       z2 + b, z3 + b, &d0, &d1, &d2, &d3, bits);
+        if (b < b1) {
+            __mmask16 m = (__mmask16)((1u << (b1 - b)) - 1u);
+            lut_step_t(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, row + b)), m, t, z0 + b, z1 + b, z2 + b, z3 + b,
+                       &d0, &d1, &d2, &d3, bits);
+        }
+    }
+    __m512 d = _mm512_add_ps(_mm512_add_ps(d0, d1), _mm512_add_ps(e0, e1));
+    return hsum(_mm512_add_ps(d, _mm512_add_ps(d2, d3))) + extra;
+}
+
 static float affine_row_simd(const Affine *a, int64_t r, const float *x, const float *zd, const float *gsum,
                              float *sc) {
     switch (a->bits) {
     case 8: return affine_row_t(a, r, x, zd, gsum, sc, 8);
-    case 4: return affine_row_t(a, r, x, zd, gsum, sc, 4);
-    default: return affine_row_t(a, r, x, zd, gsum, sc, 2);
+    case 4: return affine_row_lut_t(a, r, zd, gsum, sc, 4);
+    default: return affine_row_lut_t(a, r, zd, gsum, sc, 2);
     }
 }
 #endif
@@ -447,14 +496,7 @@ static float affine_row_bytes(const Affine *a, int64_t r, const uint8_t *q, cons
         __m512 acc = _mm512_setzero_ps();
         for (int64_t g = 0; g < a->ngroups; g++) {
             int64_t c0 = g * a->group, c1 = c0 + a->group < a->cols ? c0 + a->group : a->cols;
-            __m512 d = _mm512_setzero_ps();
-            for (int64_t c = c0; c < c1; c += 16) {
-                int64_t left = c1 - c;
-                __mmask16 m = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
-                __m512 qv = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, q + c)));
-                d = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, x + c), d);
-            }
-            acc = _mm512_fmadd_ps(d, _mm512_set1_ps(sc[g]), acc);
+            acc = _mm512_fmadd_ps(affine_group_t(q, c0, c1, x, x, x, x, 8), _mm512_set1_ps(sc[g]), acc);
         }
         return total + hsum(acc);
     }
