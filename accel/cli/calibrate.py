@@ -36,3 +36,9 @@ def register(app: typer.Typer) -> None:
         if "weights" in report:
             stdout.print(f"  weights: Hessians of {report['weights']['layers']} layers "
                          f"({report['weights']['hessians']} distinct inputs)")
+        if "kv" in report:
+            kv = report["kv"]
+            picks = ", ".join(f"{b}: {r['levels'][0]}/{r['levels'][1]}@{r['frac']} ({r['reduction']:.2f}x)"
+                              if r else f"{b}: none" for b, r in kv["recommendations"].items())
+            stdout.print(f"  kv: cliff (lowest L with the ΔNLL CI inside ±{kv['margin']}) {kv['cliff']}; "
+                         f"SemKV picks {picks}; score {kv['runtime_indicator']} (kv/sweep.md, kv/sweep.png)")

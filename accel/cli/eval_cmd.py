@@ -34,6 +34,9 @@ def register(app: typer.Typer) -> None:
             return
         stdout.print(f"ppl {result['ppl']:.4f}  nll {result['nll']:.5f} nats/token  "
                      f"({result['windows']} windows, {result['tokens']} tokens)")
+        if "kv_bytes_per_token" in result:
+            stdout.print(f"kv ({result['kv']['method']}): {result['kv_bytes_per_token']:.1f} bytes per token "
+                         f"(fp16: {result['kv_fp16_bytes_per_token']}, {result['kv_reduction']:.2f}x smaller)")
         if "ref_ppl" in result:
             lo, hi = result["delta_nll_ci"]
             stdout.print(f"reference ppl {result['ref_ppl']:.4f}  ΔNLL {result['delta_nll']:+.5f} "
