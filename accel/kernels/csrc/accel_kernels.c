@@ -535,7 +535,7 @@ API int accel_affine_matvec(const uint8_t *codes, int64_t nbytes, int bits, int 
     {
         float *sc = xalloc((size_t)a.ngroups * sizeof(float));
         uint8_t *q = base_g ? xalloc((size_t)cols + 8) : NULL;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 16) /* a thread the OS parks does not hold up the rest */
         for (int64_t r = 0; r < rows; r++) {
             if (base_g) {
                 base_unpack(&a, &table, r * cols, cols, q);
@@ -891,7 +891,7 @@ static void leech_rows(const Leech *L, const float *z, const float *zb, float *t
     {
         uint8_t *pm = xalloc((size_t)(16 * rowbytes + 64));
         float vals[16];
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
         for (int64_t tile = 0; tile < tiles; tile++) {
             const int64_t r0 = tile * 16;
             const int nr = L->rows - r0 < 16 ? (int)(L->rows - r0) : 16;
