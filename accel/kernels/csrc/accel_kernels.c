@@ -681,28 +681,50 @@ static inline float byte_lookup(const float *tab, int64_t k, unsigned byte) {
 }
 
 /* out[i] = sum_c v_c z_c for rows r0 + i, i < nr, of a planes stage (v: `bits`-bit two's complement) */
+/* 8 bytes of each of the 16 rows at q + row offset, as two dword vectors (bytes 0-3 and 4-7 of every row): two
+ * qword gathers and two permutes, cheaper than two dword gathers (a gather costs about one load per element) */
+AI void gather_pair(const uint8_t *q, __m256i vlo, __m256i vhi, __mmask16 lanes, __m512i *g0, __m512i *g1) {
+    const __m512i A = _mm512_mask_i32gather_epi64(_mm512_setzero_si512(), (__mmask8)lanes, vlo, q, 1);
+    const __m512i B = _mm512_mask_i32gather_epi64(_mm512_setzero_si512(), (__mmask8)(lanes >> 8), vhi, q, 1);
+    *g0 = _mm512_permutex2var_epi32(
+        A, _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30), B);
+    *g1 = _mm512_permutex2var_epi32(
+        A, _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31), B);
+}
+
+/* the 4 bytes (8 nibbles) of one dword per lane of each plane, looked up in the tables at tk, into acc */
+AI void lookup_dword(const __m512i *G, const float *tk, __m512 *acc, const int bits) {
+    for (int j = 0; j < bits; j++) /* plane by plane: the tables stay memory operands, nothing spills */
+        for (int b = 0; b < 4; b++) {
+            __m512i g = b ? _mm512_srli_epi32(G[j], 8 * b) : G[j];
+            acc[j] = _mm512_add_ps(acc[j], _mm512_add_ps(_mm512_permutexvar_ps(g, _mm512_load_ps(tk + 32 * b)),
+                                                         _mm512_permutexvar_ps(_mm512_srli_epi32(g, 4),
+                                                                               _mm512_load_ps(tk + 32 * b + 16))));
+        }
+}
+
+/* out[i] = sum_c v_c z_c for rows r0 + i, i < nr, of a planes stage (v: `bits`-bit two's complement) */
 AI void planes_tile_t(const uint8_t *base, int64_t plane_stride, int64_t rowbytes, int64_t r0, int nr,
                       const float *tab, float *out, const int bits) {
     const __mmask16 lanes = (__mmask16)((1u << nr) - 1u);
     const __m512i vidx = tile_offsets(rowbytes);
+    const __m256i vlo = _mm512_castsi512_si256(vidx), vhi = _mm512_extracti64x4_epi64(vidx, 1);
     const uint8_t *p = base + r0 * rowbytes;
     __m512 acc[4];
     for (int j = 0; j < bits; j++) acc[j] = _mm512_setzero_ps();
     int64_t k = 0;
-    for (; k + 4 <= rowbytes; k += 4) {
+    for (; k + 8 <= rowbytes; k += 8) {
         tile_prefetch(p, rowbytes, plane_stride, bits, nr, k);
+        __m512i G0[4], G1[4];
+        for (int j = 0; j < bits; j++) gather_pair(p + j * plane_stride + k, vlo, vhi, lanes, &G0[j], &G1[j]);
+        lookup_dword(G0, tab + 32 * k, acc, bits);
+        lookup_dword(G1, tab + 32 * (k + 4), acc, bits);
+    }
+    for (; k + 4 <= rowbytes; k += 4) {
         __m512i G[4];
         for (int j = 0; j < bits; j++)
             G[j] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, vidx, p + j * plane_stride + k, 1);
-        const float *tk = tab + 32 * k;
-        for (int b = 0; b < 4; b++) {
-            const __m512 tlo = _mm512_load_ps(tk + 32 * b), thi = _mm512_load_ps(tk + 32 * b + 16);
-            for (int j = 0; j < bits; j++) {
-                __m512i g = b ? _mm512_srli_epi32(G[j], 8 * b) : G[j];
-                acc[j] = _mm512_add_ps(acc[j], _mm512_add_ps(_mm512_permutexvar_ps(g, tlo),
-                                                             _mm512_permutexvar_ps(_mm512_srli_epi32(g, 4), thi)));
-            }
-        }
+        lookup_dword(G, tab + 32 * k, acc, bits);
     }
     __m512 v = _mm512_setzero_ps();
     for (int j = 0; j < bits; j++) {
@@ -761,15 +783,7 @@ AI void onehot_tile_t(const uint8_t *base, int64_t plane_stride, int64_t rowbyte
         __m512i S = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, vidx, p + K * plane_stride + k, 1);
         __m512i P = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, vidx, pm + k, 1);
         ONEHOT_SLICE(__m512i, _mm512_setzero_si512(), M, P, S, V, K, nb);
-        const float *tk = tab + 32 * k;
-        for (int b = 0; b < 4; b++) {
-            const __m512 tlo = _mm512_load_ps(tk + 32 * b), thi = _mm512_load_ps(tk + 32 * b + 16);
-            for (int j = 0; j < bits; j++) {
-                __m512i g = b ? _mm512_srli_epi32(V[j], 8 * b) : V[j];
-                acc[j] = _mm512_add_ps(acc[j], _mm512_add_ps(_mm512_permutexvar_ps(g, tlo),
-                                                             _mm512_permutexvar_ps(_mm512_srli_epi32(g, 4), thi)));
-            }
-        }
+        lookup_dword(V, tab + 32 * k, acc, bits);
     }
     __m512 v = _mm512_setzero_ps();
     for (int j = 0; j < bits; j++) {
@@ -843,8 +857,18 @@ static float onehot_dot(const uint8_t *base, int64_t plane_stride, int K, int64_
 }
 
 /* the row's parity bits spread to one bit per coordinate (3 bytes a block) */
-static void spread_parity(const uint8_t *par, int64_t first, int64_t nblk, uint8_t *pmask) {
-    for (int64_t b = 0; b < nblk; b++) {
+/* the row's parity bits spread to one bit per coordinate (3 bytes a block), 8 blocks per table entry */
+static uint8_t g_spread[256][24];
+
+__attribute__((constructor)) static void init_spread(void) {
+    for (int v = 0; v < 256; v++)
+        for (int t = 0; t < 24; t++) g_spread[v][t] = ((v >> (t / 3)) & 1) ? 0xff : 0x00;
+}
+
+static void spread_parity(const uint8_t *par, int64_t parbytes, int64_t first, int64_t nblk, uint8_t *pmask) {
+    int64_t b = 0;
+    for (; b + 8 <= nblk; b += 8) memcpy(pmask + 3 * b, g_spread[get_bits(par, parbytes, (uint64_t)(first + b), 8)], 24);
+    for (; b < nblk; b++) {
         uint8_t fill = parity_bit(par, first + b) ? 0xff : 0x00;
         pmask[3 * b] = pmask[3 * b + 1] = pmask[3 * b + 2] = fill;
     }
@@ -901,7 +925,8 @@ static void leech_rows(const Leech *L, const float *z, const float *zb, float *t
                 const int onehot = L->layout[s] == LEECH_ONEHOT;
                 const uint8_t *par = base + (onehot ? L->param[s] + 1 : L->param[s]) * plane;
                 if (onehot)
-                    for (int i = 0; i < nr; i++) spread_parity(par, (r0 + i) * L->nblk, L->nblk, pm + i * rowbytes);
+                    for (int i = 0; i < nr; i++)
+                        spread_parity(par, parbytes, (r0 + i) * L->nblk, L->nblk, pm + i * rowbytes);
 #if HAVE_AVX512
                 if (g_simd) {
                     if (onehot) onehot_tile(base, plane, rowbytes, r0, nr, pm, tab, vals, L->param[s]);
