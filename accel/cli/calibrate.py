@@ -42,3 +42,9 @@ def register(app: typer.Typer) -> None:
                               if r else f"{b}: none" for b, r in kv["recommendations"].items())
             stdout.print(f"  kv: cliff (lowest L with the ΔNLL CI inside ±{kv['margin']}) {kv['cliff']}; "
                          f"SemKV picks {picks}; score {kv['runtime_indicator']} (kv/sweep.md, kv/sweep.png)")
+        if "state" in report:
+            st = report["state"]
+            stdout.print(f"  state: {st['arch']} {len(st['layers'])} layers x {st['heads']} heads x {st['d_k']} "
+                         f"channels; top-10% channels hold {st['top10_energy_share']:.1%} of the INT8 error energy; "
+                         f"split-half rank correlation energy {st['energy_rank_corr']:.3f}, persistence "
+                         f"{st['persistence_rank_corr']:.3f} (table.md, {len(st['plots'])} plots)")

@@ -34,6 +34,9 @@ def register(app: typer.Typer) -> None:
             return
         stdout.print(f"ppl {result['ppl']:.4f}  nll {result['nll']:.5f} nats/token  "
                      f"({result['windows']} windows, {result['tokens']} tokens)")
+        if "state_bits_per_value" in result:
+            stdout.print(f"state ({result['state']['method']}): {result['state_bits_per_value']:.3f} bits per value, "
+                         f"{result['state_bytes']:.0f} bytes per sequence (float32: {result['state_fp32_bytes']})")
         if "kv_bytes_per_token" in result:
             stdout.print(f"kv ({result['kv']['method']}): {result['kv_bytes_per_token']:.1f} bytes per token "
                          f"(fp16: {result['kv_fp16_bytes_per_token']}, {result['kv_reduction']:.2f}x smaller)")

@@ -1,0 +1,138 @@
+"""Speed of one recurrent-state decode step: DAMP storage (C kernel) against the float32 update, in one run.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/state_update.py [--quick] [--threads N] [--json]
+
+Arms per shape: `torch_f32` (transformers' recurrent update in PyTorch ops, float32 state), `c_f32` (the same
+loop as the DAMP kernel on a float32 state), `c_damp` (accel.kernels.state_update.step_mixed on DAMP storage: 22.5%
+of channels float16 at d_v 128 so the state holds 9.9 bits per value with scales, the rest INT8; at the fixtures'
+d_v 32, 18.7%), and `copy` (numpy copy of the float32 state's bytes, then of the DAMP bytes: the bandwidth floor).
+One step updates every linear-attention layer once (each has its own state, as in decoding), so for many layers
+the states do not stay in cache between their updates. Shapes: the fixtures (3 layers of 4 heads × 32×32),
+Qwen3-Next's per-layer state (32 heads of 128×128) for one layer, and for 36 layers (Qwen3-Next-80B's linear
+layers) at batch 1 and 4. Times are medians over repeats; the GDN decay (one per head) is used, and KDA's
+per-channel decay is timed at the Qwen3-Next shape too. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from accel.kernels.state_update import MixedState, step_f32, step_mixed, step_torch
+from accel.runtime.state_cache import row_bits
+
+TARGET_BITS = 9.9
+
+
+def high_fraction(d_v: int) -> float:
+    lo, hi = row_bits("int8", d_v), row_bits("fp16", d_v)
+    return (TARGET_BITS - lo) / (hi - lo)
+
+
+def inputs(rng, b, h, dk, dv, kda):
+    q = rng.normal(size=(b, h, dk)).astype(np.float32)
+    q /= np.linalg.norm(q, axis=-1, keepdims=True) * np.sqrt(dk)
+    k = rng.normal(size=(b, h, dk)).astype(np.float32)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.normal(size=(b, h, dv)).astype(np.float32)
+    g = (-rng.random((b, h, dk) if kda else (b, h)) * 0.1).astype(np.float32)
+    beta = rng.random((b, h)).astype(np.float32)
+    return q, k, v, g, beta
+
+
+def median_time(fn, repeats: int, min_seconds: float) -> float:
+    fn()  # warm-up
+    times = []
+    started = time.perf_counter()
+    while len(times) < repeats or time.perf_counter() - started < min_seconds:
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+        if len(times) >= 200:
+            break
+    return float(np.median(times))
+
+
+def bench_shape(name, layers, b, h, dk, dv, kda, threads, repeats, min_seconds, rng):
+    states = [(rng.normal(size=(b, h, dk, dv)) * 0.05).astype(np.float32) for _ in range(layers)]
+    n_high = int(np.floor(high_fraction(dv) * h * dk))
+    high = np.zeros(h * dk, dtype=np.uint8)
+    high[rng.permutation(h * dk)[:n_high]] = 1
+    mixed = [MixedState.from_float(s, high.reshape(h, dk)) for s in states]
+    step_inputs = [inputs(rng, b, h, dk, dv, kda) for _ in range(layers)]
+    torch_states = [torch.from_numpy(s.copy()) for s in states]
+    torch_inputs = [tuple(torch.from_numpy(x) for x in inp) for inp in step_inputs]
+    torch.set_num_threads(max(1, threads))
+
+    def run_torch():
+        for i in range(layers):
+            _, torch_states[i] = step_torch(torch_states[i], *torch_inputs[i])
+
+    def run_f32():
+        for i in range(layers):
+            step_f32(states[i], *step_inputs[i], threads=threads)
+
+    def run_damp():
+        for i in range(layers):
+            step_mixed(mixed[i], *step_inputs[i], threads=threads)
+
+    f32_bytes = sum(s.nbytes for s in states)
+    damp_bytes = sum(m.nbytes for m in mixed)
+    big_src = np.ones(f32_bytes // 4, dtype=np.float32)
+    big_dst = np.empty_like(big_src)
+    small_src, small_dst = big_src[: damp_bytes // 4], big_dst[: damp_bytes // 4]
+
+    row = {"shape": name, "layers": layers, "batch": b, "heads": h, "d_k": dk, "d_v": dv,
+           "decay": "kda" if kda else "gdn", "f32_state_bytes": f32_bytes, "damp_state_bytes": damp_bytes,
+           "damp_bits_per_value": 8.0 * damp_bytes / (f32_bytes / 4), "high_fraction": n_high / (h * dk)}
+    row["torch_f32_ms"] = 1e3 * median_time(run_torch, repeats, min_seconds)
+    row["c_f32_ms"] = 1e3 * median_time(run_f32, repeats, min_seconds)
+    row["c_damp_ms"] = 1e3 * median_time(run_damp, repeats, min_seconds)
+    row["copy_f32_ms"] = 1e3 * median_time(lambda: np.copyto(big_dst, big_src), repeats, min_seconds)
+    row["copy_damp_ms"] = 1e3 * median_time(lambda: np.copyto(small_dst, small_src), repeats, min_seconds)
+    row["speedup_vs_c_f32"] = row["c_f32_ms"] / row["c_damp_ms"]
+    row["speedup_vs_torch_f32"] = row["torch_f32_ms"] / row["c_damp_ms"]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
+    parser.add_argument("--threads", type=int, default=1, help="OpenMP / torch threads (default 1)")
+    parser.add_argument("--json", action="store_true", help="print only the JSON line")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    repeats, min_s = (5, 0.2) if args.quick else (15, 1.0)
+    shapes = [("fixture (tiny-gdn/kda)", 3, 1, 4, 32, 32, False),
+              ("qwen3-next, 1 layer", 1, 1, 32, 128, 128, False),
+              ("qwen3-next, 1 layer, KDA decay", 1, 1, 32, 128, 128, True),
+              ("qwen3-next, 36 layers", 36, 1, 32, 128, 128, False)]
+    if not args.quick:
+        shapes.append(("qwen3-next, 36 layers, batch 4", 36, 4, 32, 128, 128, False))
+    rows = []
+    for shape in shapes:
+        row = bench_shape(*shape, threads=args.threads, repeats=repeats, min_seconds=min_s, rng=rng)
+        rows.append(row)
+        if not args.json:
+            print(f"{row['shape']:34s} torch f32 {row['torch_f32_ms']:9.3f} ms  C f32 {row['c_f32_ms']:9.3f} ms  "
+                  f"C DAMP {row['c_damp_ms']:9.3f} ms ({row['damp_bits_per_value']:.2f} bits)  "
+                  f"copy f32/DAMP {row['copy_f32_ms']:.3f}/{row['copy_damp_ms']:.3f} ms  "
+                  f"DAMP vs C f32 {row['speedup_vs_c_f32']:.2f}x, vs torch {row['speedup_vs_torch_f32']:.2f}x",
+                  file=sys.stderr)
+    print(json.dumps({"bench": "state_update", "threads": args.threads, "target_bits": TARGET_BITS,
+                      "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

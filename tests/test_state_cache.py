@@ -1,0 +1,106 @@
+"""The mixed-precision recurrent-state cache: row formats, byte accounting, decoding through transformers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from accel.errors import AccelError
+from accel.eval.evaluate import EvalSettings, evaluate
+from accel.eval.load import load_causal_lm
+from accel.eval.perplexity import decode_nll, window_nll
+from accel.formats.bitpack import pack_bits
+from accel.runtime.state_cache import (
+    QuantizedStateCache,
+    StateScheme,
+    decode_rows,
+    encode_rows,
+    pack_codes,
+    row_bits,
+    unpack_codes,
+)
+from accel.runtime.state_shapes import StateShape, state_shape
+
+
+@pytest.mark.parametrize("width", [3, 4, 5, 8, 9, 12])
+def test_torch_bit_packing_is_the_format_librarys(width):
+    codes = np.random.default_rng(width).integers(0, 2**width, size=101)
+    stream = pack_codes(torch.from_numpy(codes), width)
+    np.testing.assert_array_equal(stream.numpy(), pack_bits(codes, width))
+    np.testing.assert_array_equal(unpack_codes(stream, width, codes.size).numpy(), codes)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp16", "bf16", "fp8", "int8", "int4", "int6", "int10"])
+def test_row_formats_round_trip_within_their_step(fmt):
+    rows = torch.from_numpy(np.random.default_rng(0).normal(size=(24, 32)).astype(np.float32))
+    rows[3] = 0.0  # an all-zero row must not divide by zero
+    parts = encode_rows(rows, fmt)
+    back = decode_rows(parts, fmt, 24, 32)
+    assert 8 * sum(t.numel() * t.element_size() for t in parts.values()) == pytest.approx(
+        row_bits(fmt, 32) * rows.numel(), abs=8)
+    absmax = rows.abs().amax(-1, keepdim=True)
+    if fmt.startswith("int"):
+        k = int(fmt[3:])
+        bound = absmax / (2 ** (k - 1) - 1) * 0.5 * 1.002 + 1e-9
+    elif fmt == "fp8":
+        bound = absmax * 2.0**-4
+    else:
+        bound = rows.abs() * torch.finfo({"fp32": torch.float32, "fp16": torch.float16,
+                                          "bf16": torch.bfloat16}[fmt]).eps
+    assert ((back - rows).abs() <= bound).all()
+    assert (back[3] == 0).all()
+
+
+def test_scheme_splits_channels_and_counts_bits():
+    shape = StateShape("kda", (0, 2), 2, 8, 16)
+    mask = torch.zeros(16, dtype=torch.bool)
+    mask[[1, 5, 9]] = True
+    scheme = StateScheme(shape, low="int8", high="fp32", masks={0: mask})
+    state = torch.randn(3, 2, 8, 16)
+    stored = scheme.store(0, state)
+    back = scheme.load(0, stored).reshape(3, 16, 16)
+    assert torch.equal(back[:, mask], state.reshape(3, 16, 16)[:, mask])  # fp32 channels are exact
+    assert stored.nbytes == 3 * (3 * 16 * 4 + 13 * (16 + 2))
+    assert scheme.bits_per_value() == pytest.approx((3 * 32 + 13 * 9 + 16 * 9) / 32)
+    with pytest.raises(AccelError, match="scheme is for 2x8x16"):
+        scheme.store(0, torch.randn(1, 2, 8, 8))
+
+
+@pytest.mark.parametrize("fixture", ["tiny-gdn", "tiny-kda"])
+def test_fp32_state_cache_decodes_exactly_like_the_model(fixture):
+    loaded = load_causal_lm(fixture)
+    text = "def f(x):\n    return x + 1\n\nThe with statement is used to wrap the execution of a block."
+    windows = np.asarray(loaded.tokenizer(text)["input_ids"][:48], dtype=np.int64)[None]
+    plain = window_nll(loaded.model, windows)
+    shape = state_shape(loaded.config)
+    caches = []
+
+    def make():
+        caches.append(QuantizedStateCache(loaded.model.config, StateScheme(shape, low="fp32")))
+        return caches[-1]
+
+    decoded = decode_nll(loaded.model, windows, make)
+    np.testing.assert_allclose(decoded.nll, plain.nll, rtol=1e-5)
+    assert set(caches[0].stored) == set(shape.layers) and caches[0].stores == len(shape.layers) * 47
+    assert caches[0].state_nbytes() == 4 * shape.values
+
+
+def test_uniform_baselines_through_eval(text_file):
+    settings = {"data": text_file, "windows": 1, "seq_len": 32}
+    int8 = evaluate("tiny-gdn", EvalSettings(state="int8", **settings))
+    assert int8["state_bits_per_value"] == pytest.approx(8.5)
+    assert int8["state_bytes"] == 3 * 4 * 32 * 32 * 8.5 / 8 and int8["state_fp32_bytes"] == 3 * 4 * 32 * 32 * 4
+    int6 = evaluate("tiny-kda", EvalSettings(state="int:6", **settings))
+    assert int6["state_bits_per_value"] == pytest.approx(6.5) and int6["state"]["method"] == "int"
+    plain = evaluate("tiny-gdn", EvalSettings(**settings))
+    assert abs(int8["nll"] - plain["nll"]) < 0.05
+    with pytest.raises(AccelError, match="unknown --state method 'int7'"):
+        evaluate("tiny-gdn", EvalSettings(state="int7", **settings))
+    with pytest.raises(AccelError, match="needs a bit width"):
+        evaluate("tiny-gdn", EvalSettings(state="int", **settings))
+
+
+def test_model_without_recurrent_state_is_refused(tiny_llama, text_file):
+    with pytest.raises(AccelError, match="has no recurrent state"):
+        evaluate(tiny_llama, EvalSettings(data=text_file, windows=1, seq_len=16, state="int8"))
