@@ -172,6 +172,16 @@ def test_bad_maps_are_refused(changes, message):
         check_kv_map(_map(**changes), CONFIG)
 
 
+def test_thresholds_must_be_one_per_layer():
+    stored = _map()
+    stored.arrays["thresholds"] = np.array([0.0, np.nan], np.float32)
+    with pytest.raises(AccelError, match="one threshold per layer"):
+        check_kv_map(stored, CONFIG)
+    stored.arrays["thresholds"] = np.zeros(3, np.float32)
+    with pytest.raises(AccelError, match="one threshold per layer"):
+        check_kv_map(stored, CONFIG)
+
+
 def test_a_codebook_that_is_not_lloyd_max_is_refused():
     stored = _map()
     stored.arrays["codebook_low"] = stored.arrays["codebook_low"] * 1.1

@@ -116,8 +116,8 @@ def check_kv_map(stored: StoredMap, config: dict[str, Any]) -> None:
     if not isinstance(p.get("frac"), (int, float)) or not 0.0 <= p["frac"] <= 1.0:
         raise AccelError("the kv map's frac must lie in [0, 1]")
     thresholds = stored.arrays.get("thresholds")
-    if lo != hi and (thresholds is None or thresholds.shape != (layers,)):
-        raise AccelError(f"the kv map needs one threshold per layer ({layers})")
+    if lo != hi and (thresholds is None or thresholds.shape != (layers,) or np.isnan(thresholds).any()):
+        raise AccelError(f"the kv map needs one threshold per layer ({layers}), none NaN")
     for name in ("key_mean", "value_mean"):
         mean = stored.arrays.get(name)
         if mean is not None and mean.shape != (layers, kv_heads, head_dim):
