@@ -621,6 +621,7 @@ static inline int parity_bit(const uint8_t *par, int64_t k) { return (par[k >> 3
 /* sum over the row's blocks of parity * zb (planes: x = 2 v + p, so p contributes p * sum of the block's z) */
 static float parity_term(const uint8_t *par, int64_t parbytes, int64_t first, int64_t nblk, const float *zb) {
     float total = 0.0f;
+    (void)parbytes; /* only the AVX-512 path reads words */
 #if HAVE_AVX512
     if (g_simd) {
         __m512 acc = _mm512_setzero_ps();
@@ -638,6 +639,28 @@ static float parity_term(const uint8_t *par, int64_t parbytes, int64_t first, in
         if (parity_bit(par, first + b)) total += zb[b];
     return total;
 }
+
+/* A onehot stage is turned into planes on the fly, bit-sliced (each operation handles 32 coordinates of 16 rows):
+ * with m = sum_k k [mask k], p the parity and s the sign, x = (1 - 2 s)(2 m + p) = 2 v + p for
+ * v = s ? -(m + p) : m, computed as u = m + (p & s), v = (u ^ s) + s in two's complement on nb + 1 bits
+ * (nb = bits of K + 1). The planes of v then go through the planes lookups; p through the parity term. */
+#define ONEHOT_SLICE(T, ZERO, Mk, Pm, S, V, K, nb)                                                                     \
+    do {                                                                                                           \
+        T u[4], carry = (Pm) & (S);                                                                                \
+        for (int q = 0; q < (nb); q++) {                                                                           \
+            T mq = (ZERO);                                                                                         \
+            for (int m = 1; m <= (K); m++)                                                                         \
+                if ((m >> q) & 1) mq = mq | (Mk)[m - 1];                                                           \
+            u[q] = mq ^ carry;                                                                                     \
+            carry = mq & carry;                                                                                    \
+        }                                                                                                          \
+        carry = (S);                                                                                               \
+        for (int q = 0; q <= (nb); q++) {                                                                          \
+            T w = (q < (nb) ? u[q] : (ZERO)) ^ (S);                                                                \
+            (V)[q] = w ^ carry;                                                                                    \
+            carry = w & carry;                                                                                     \
+        }                                                                                                          \
+    } while (0)
 
 #if HAVE_AVX512
 /* The AVX-512 Leech kernels work on tiles of 16 rows: one dword gather per plane brings 4 bytes (32 coordinates)
@@ -739,28 +762,6 @@ AI void planes_tile_t(const uint8_t *base, int64_t plane_stride, int64_t rowbyte
                 out[i] += w * byte_lookup(tab, k, p[i * rowbytes + j * plane_stride + k]);
             }
 }
-
-/* A onehot stage is turned into planes on the fly, bit-sliced (each operation handles 32 coordinates of 16 rows):
- * with m = sum_k k [mask k], p the parity and s the sign, x = (1 - 2 s)(2 m + p) = 2 v + p for
- * v = s ? -(m + p) : m, computed as u = m + (p & s), v = (u ^ s) + s in two's complement on nb + 1 bits
- * (nb = bits of K + 1). The planes of v then go through the planes lookups; p through the parity term. */
-#define ONEHOT_SLICE(T, ZERO, Mk, Pm, S, V, K, nb)                                                                     \
-    do {                                                                                                           \
-        T u[4], carry = (Pm) & (S);                                                                                \
-        for (int q = 0; q < (nb); q++) {                                                                           \
-            T mq = (ZERO);                                                                                         \
-            for (int m = 1; m <= (K); m++)                                                                         \
-                if ((m >> q) & 1) mq = mq | (Mk)[m - 1];                                                           \
-            u[q] = mq ^ carry;                                                                                     \
-            carry = mq & carry;                                                                                    \
-        }                                                                                                          \
-        carry = (S);                                                                                               \
-        for (int q = 0; q <= (nb); q++) {                                                                          \
-            T w = (q < (nb) ? u[q] : (ZERO)) ^ (S);                                                                \
-            (V)[q] = w ^ carry;                                                                                    \
-            carry = w & carry;                                                                                     \
-        }                                                                                                          \
-    } while (0)
 
 AI int onehot_value_bits(const int K) { return (K + 1) >= 4 ? 3 : ((K + 1) >= 2 ? 2 : 1); }
 
@@ -993,34 +994,35 @@ API int accel_leech_decode_rows(int nstages, const uint8_t *const *streams, cons
     int err = leech_init(&L, nstages, streams, stream_bytes, layout, param, alpha, scale, rows, cols);
     if (err) return err;
     if (r0 < 0 || r1 > rows || r0 > r1) return -1;
-    const int64_t n = rows * L.nblk, plane = 3 * n;
+    const int64_t n = rows * L.nblk, plane = 3 * n, rowbytes = 3 * L.nblk;
     int nt = threads_for(nthreads, (double)(r1 - r0) * cols);
-#pragma omp parallel for num_threads(nt) schedule(static)
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 8)
     for (int64_t r = r0; r < r1; r++) {
         float *o = out + (r - r0) * cols;
         float s = half_to_float(scale[r]);
         for (int64_t c = 0; c < cols; c++) o[c] = 0.0f;
         for (int st = 0; st < nstages; st++) {
-            const uint8_t *base = L.stream[st];
-            int planes = L.layout[st] == LEECH_PLANES ? L.param[st] : L.param[st] + 1;
-            const uint8_t *par = base + planes * plane;
-            int64_t off = 3 * r * L.nblk;
-            for (int64_t c = 0; c < cols; c++) {
-                int64_t byte = off + (c >> 3);
-                int bit = (int)(c & 7);
-                int p = parity_bit(par, r * L.nblk + c / 24), x;
-                if (L.layout[st] == LEECH_PLANES) {
-                    int bits = L.param[st], v = 0;
-                    for (int j = 0; j < bits; j++) v |= ((base[j * plane + byte] >> bit) & 1) << j;
-                    if (v >= 1 << (bits - 1)) v -= 1 << bits;
-                    x = 2 * v + p;
+            const uint8_t *base = L.stream[st] + r * rowbytes;
+            const int onehot = L.layout[st] == LEECH_ONEHOT, K = L.param[st];
+            const uint8_t *par = L.stream[st] + (onehot ? K + 1 : K) * plane;
+            const int nb = onehot ? (K + 1 >= 4 ? 3 : (K + 1 >= 2 ? 2 : 1)) : 0, bits = onehot ? nb + 1 : K;
+            for (int64_t kb = 0; kb < rowbytes; kb++) { /* 8 coordinates, all in block kb / 3 */
+                const int p = parity_bit(par, r * L.nblk + kb / 3);
+                unsigned V[4];
+                if (onehot) {
+                    unsigned M[6], S = base[K * plane + kb], P = p ? 0xffu : 0u;
+                    for (int m = 0; m < K; m++) M[m] = base[m * plane + kb];
+                    ONEHOT_SLICE(unsigned, 0u, M, P, S, V, K, nb);
                 } else {
-                    int K = L.param[st], mag = p;
-                    for (int k = 0; k < K; k++)
-                        if ((base[k * plane + byte] >> bit) & 1) mag += 2 * (k + 1);
-                    x = ((base[K * plane + byte] >> bit) & 1) ? -mag : mag;
+                    for (int j = 0; j < bits; j++) V[j] = base[j * plane + kb];
                 }
-                o[c] += L.alpha[st] * (float)x;
+                float *oc = o + 8 * kb;
+                for (int t = 0; t < 8; t++) { /* two's complement: the top bit weighs -2^(bits-1) */
+                    int v = 0;
+                    for (int j = 0; j < bits; j++) v += (int)((V[j] >> t) & 1u) << j;
+                    v -= (int)((V[bits - 1] >> t) & 1u) << bits;
+                    oc[t] += L.alpha[st] * (float)(2 * v + p);
+                }
             }
         }
         for (int64_t c = 0; c < cols; c++) o[c] *= s;
