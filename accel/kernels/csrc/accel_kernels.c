@@ -986,6 +986,18 @@ API int accel_leech_matvec(int nstages, const uint8_t *const *streams, const int
     return 0;
 }
 
+/* o[t] += alpha * x_t for the 8 coordinates of one byte position: x = 2 v + p, v in `bits`-bit two's complement
+ * (the top bit weighs -2^(bits-1)) with bit j of v in bit t of V[j] */
+static inline __attribute__((always_inline)) void add_coords8(float *o, const unsigned *V, int p, float alpha,
+                                                              const int bits) {
+    for (int t = 0; t < 8; t++) {
+        int v = 0;
+        for (int j = 0; j < bits; j++) v += (int)((V[j] >> t) & 1u) << j;
+        v -= (int)((V[bits - 1] >> t) & 1u) << bits;
+        o[t] += alpha * (float)(2 * v + p);
+    }
+}
+
 /* rows [r0, r1) of T = scale * sum_s alpha_s x_s (the transformed weight, cols wide) */
 API int accel_leech_decode_rows(int nstages, const uint8_t *const *streams, const int64_t *stream_bytes,
                                 const int *layout, const int *param, const float *alpha, const uint16_t *scale,
@@ -1016,12 +1028,10 @@ API int accel_leech_decode_rows(int nstages, const uint8_t *const *streams, cons
                 } else {
                     for (int j = 0; j < bits; j++) V[j] = base[j * plane + kb];
                 }
-                float *oc = o + 8 * kb;
-                for (int t = 0; t < 8; t++) { /* two's complement: the top bit weighs -2^(bits-1) */
-                    int v = 0;
-                    for (int j = 0; j < bits; j++) v += (int)((V[j] >> t) & 1u) << j;
-                    v -= (int)((V[bits - 1] >> t) & 1u) << bits;
-                    oc[t] += L.alpha[st] * (float)(2 * v + p);
+                switch (bits) { /* constant widths unroll and vectorize */
+                case 4: add_coords8(o + 8 * kb, V, p, L.alpha[st], 4); break;
+                case 3: add_coords8(o + 8 * kb, V, p, L.alpha[st], 3); break;
+                default: add_coords8(o + 8 * kb, V, p, L.alpha[st], bits); break;
                 }
             }
         }
