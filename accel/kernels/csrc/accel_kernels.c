@@ -688,14 +688,14 @@ AI __m512i tile_offsets(int64_t rowbytes) {
                               _mm512_set1_epi32((int)rowbytes));
 }
 
-/* the 16 rows of a tile sit in 16 x planes separate streams, more than the hardware prefetcher follows: fetch
- * each row's line of every plane PREFETCH bytes ahead once per 64 bytes */
-#define PREFETCH 256
-AI void tile_prefetch(const uint8_t *p, int64_t rowbytes, int64_t plane_stride, int planes, int nr, int64_t k) {
-    if ((k & 63) || k + PREFETCH >= rowbytes) return;
+/* The gathers jump between 16 rows, which the hardware prefetcher does not follow, but the next tile's bytes of a
+ * plane are one contiguous run of 16 rows: while this tile reads bytes [k, k + kstep) of its rows, fetch bytes
+ * [16 k, 16 (k + kstep)) of that run, so the next tile arrives spread over this one. */
+AI void tile_prefetch(const uint8_t *p, int64_t rowbytes, int64_t plane_stride, int planes, int64_t k, int kstep) {
+    const uint8_t *next = p + 16 * rowbytes;
     for (int j = 0; j < planes; j++)
-        for (int i = 0; i < nr; i++) _mm_prefetch((const char *)(p + i * rowbytes + j * plane_stride + k + PREFETCH),
-                                                  _MM_HINT_T0);
+        for (int64_t off = 16 * k; off < 16 * (k + kstep); off += 64)
+            _mm_prefetch((const char *)(next + j * plane_stride + off), _MM_HINT_T0);
 }
 
 /* a byte's contribution by table lookup (the scalar tail of a tile) */
@@ -737,7 +737,7 @@ AI void planes_tile_t(const uint8_t *base, int64_t plane_stride, int64_t rowbyte
     for (int j = 0; j < bits; j++) acc[j] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 8 <= rowbytes; k += 8) {
-        tile_prefetch(p, rowbytes, plane_stride, bits, nr, k);
+        tile_prefetch(p, rowbytes, plane_stride, bits, k, 8);
         __m512i G0[4], G1[4];
         for (int j = 0; j < bits; j++) gather_pair(p + j * plane_stride + k, vlo, vhi, lanes, &G0[j], &G1[j]);
         lookup_dword(G0, tab + 32 * k, acc, bits);
@@ -777,7 +777,7 @@ AI void onehot_tile_t(const uint8_t *base, int64_t plane_stride, int64_t rowbyte
     for (int j = 0; j < bits; j++) acc[j] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 4 <= rowbytes; k += 4) {
-        tile_prefetch(p, rowbytes, plane_stride, K + 1, nr, k);
+        tile_prefetch(p, rowbytes, plane_stride, K + 1, k, 4);
         __m512i M[6], V[4];
         for (int m = 0; m < K; m++)
             M[m] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, vidx, p + m * plane_stride + k, 1);
@@ -916,7 +916,7 @@ static void leech_rows(const Leech *L, const float *z, const float *zb, float *t
     {
         uint8_t *pm = xalloc((size_t)(16 * rowbytes + 64));
         float vals[16];
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 4) /* runs of 4 tiles: the prefetched next tile is mostly this thread's */
         for (int64_t tile = 0; tile < tiles; tile++) {
             const int64_t r0 = tile * 16;
             const int nr = L->rows - r0 < 16 ? (int)(L->rows - r0) : 16;
