@@ -45,14 +45,6 @@ def test_every_command_has_help(capsys, command):
     assert code == 0 and "Usage" in out
 
 
-@pytest.mark.parametrize("argv,issue", [
-    (["quantize", "M", "--weights", "rtn4", "--state", "damp", "--out", "o"], 6),
-])
-def test_commands_of_later_issues_say_not_available(capsys, tmp_path, argv, issue):
-    code, _, err = run(capsys, *argv)
-    assert_one_line_error(code, err, 2, f"not available yet (tracked in issue #{issue})")
-
-
 def test_models_lists_the_alias(capsys):
     report = run_json(capsys, "models")
     assert "smollm2-135m" in [m["alias"] for m in report["models"]]
