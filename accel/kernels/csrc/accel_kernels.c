@@ -347,7 +347,7 @@ AI float affine_row_t(const Affine *a, int64_t r, const float *x, const float *z
     int64_t b0 = 0;
     for (int64_t g = 0; g < a->ngroups; g++, b0 += gbytes) {
         int64_t b1 = b0 + gbytes < nbr ? b0 + gbytes : nbr;
-        _mm_prefetch((const char *)(row + b0 + 1024), _MM_HINT_T0);
+        _mm_prefetch((const char *)(row + b0 + 4096), _MM_HINT_T0);
         acc = _mm512_fmadd_ps(affine_group_t(row, b0, b1, z0, z1, z2, z3, bits), _mm512_set1_ps(sc[g]), acc);
     }
     return hsum(acc) + extra;
@@ -380,7 +380,7 @@ AI float affine_row_lut_t(const Affine *a, int64_t r, const float *zd, const flo
     for (int64_t g = 0; g < a->ngroups; g++, b0 += gbytes) {
         const int64_t b1 = b0 + gbytes < nbr ? b0 + gbytes : nbr;
         const __m512 t = _mm512_mul_ps(base, _mm512_set1_ps(sc[g]));
-        _mm_prefetch((const char *)(row + b0 + 1024), _MM_HINT_T0);
+        _mm_prefetch((const char *)(row + b0 + 4096), _MM_HINT_T0);
         int64_t b = b0;
         if (bits == 4)
             for (; b + 32 <= b1; b += 32) { /* two steps into separate sums: the FMA latency is not the limit */
@@ -535,7 +535,7 @@ API int accel_affine_matvec(const uint8_t *codes, int64_t nbytes, int bits, int 
     {
         float *sc = xalloc((size_t)a.ngroups * sizeof(float));
         uint8_t *q = base_g ? xalloc((size_t)cols + 8) : NULL;
-#pragma omp for schedule(dynamic, 16) /* a thread the OS parks does not hold up the rest */
+#pragma omp for schedule(guided, 16) /* a thread the OS parks does not hold up the rest */
         for (int64_t r = 0; r < rows; r++) {
             if (base_g) {
                 base_unpack(&a, &table, r * cols, cols, q);
