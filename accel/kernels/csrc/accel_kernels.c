@@ -916,7 +916,7 @@ static void leech_rows(const Leech *L, const float *z, const float *zb, float *t
     {
         uint8_t *pm = xalloc((size_t)(16 * rowbytes + 64));
         float vals[16];
-#pragma omp for schedule(dynamic, 4) /* runs of 4 tiles: the prefetched next tile is mostly this thread's */
+#pragma omp for schedule(guided, 2) /* runs of tiles: the prefetched next tile is mostly this thread's */
         for (int64_t tile = 0; tile < tiles; tile++) {
             const int64_t r0 = tile * 16;
             const int nr = L->rows - r0 < 16 ? (int)(L->rows - r0) : 16;
