@@ -703,6 +703,16 @@ static inline float byte_lookup(const float *tab, int64_t k, unsigned byte) {
     return tab[32 * k + (byte & 15)] + tab[32 * k + 16 + (byte >> 4)];
 }
 
+/* out[lane] = sum_j w_j acc_j with the two's complement plane weights (the top plane -2^j) */
+AI void store_planes(const __m512 *acc, const int bits, __mmask16 lanes, float *out) {
+    __m512 v = _mm512_setzero_ps();
+    for (int j = 0; j < bits; j++) {
+        float w = j == bits - 1 ? -(float)(1 << j) : (float)(1 << j);
+        v = _mm512_fmadd_ps(acc[j], _mm512_set1_ps(w), v);
+    }
+    _mm512_mask_storeu_ps(out, lanes, v);
+}
+
 /* out[i] = sum_c v_c z_c for rows r0 + i, i < nr, of a planes stage (v: `bits`-bit two's complement) */
 /* 8 bytes of each of the 16 rows at q + row offset, as two dword vectors (bytes 0-3 and 4-7 of every row): two
  * qword gathers and two permutes, cheaper than two dword gathers (a gather costs about one load per element) */
@@ -724,6 +734,16 @@ AI void lookup_dword(const __m512i *G, const float *tk, __m512 *acc, const int b
                                                          _mm512_permutexvar_ps(_mm512_srli_epi32(g, 4),
                                                                                _mm512_load_ps(tk + 32 * b + 16))));
         }
+}
+
+/* out[lane] = sum_j w_j acc_j with the two's complement plane weights (the top plane -2^j) */
+AI void store_planes(const __m512 *acc, const int bits, __mmask16 lanes, float *out) {
+    __m512 v = _mm512_setzero_ps();
+    for (int j = 0; j < bits; j++) {
+        float w = j == bits - 1 ? -(float)(1 << j) : (float)(1 << j);
+        v = _mm512_fmadd_ps(acc[j], _mm512_set1_ps(w), v);
+    }
+    _mm512_mask_storeu_ps(out, lanes, v);
 }
 
 /* out[i] = sum_c v_c z_c for rows r0 + i, i < nr, of a planes stage (v: `bits`-bit two's complement) */
@@ -749,12 +769,7 @@ AI void planes_tile_t(const uint8_t *base, int64_t plane_stride, int64_t rowbyte
             G[j] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, vidx, p + j * plane_stride + k, 1);
         lookup_dword(G, tab + 32 * k, acc, bits);
     }
-    __m512 v = _mm512_setzero_ps();
-    for (int j = 0; j < bits; j++) {
-        float w = j == bits - 1 ? -(float)(1 << j) : (float)(1 << j);
-        v = _mm512_fmadd_ps(acc[j], _mm512_set1_ps(w), v);
-    }
-    _mm512_mask_storeu_ps(out, lanes, v);
+    store_planes(acc, bits, lanes, out);
     for (; k < rowbytes; k++)
         for (int i = 0; i < nr; i++)
             for (int j = 0; j < bits; j++) {
@@ -786,12 +801,7 @@ AI void onehot_tile_t(const uint8_t *base, int64_t plane_stride, int64_t rowbyte
         ONEHOT_SLICE(__m512i, _mm512_setzero_si512(), M, P, S, V, K, nb);
         lookup_dword(V, tab + 32 * k, acc, bits);
     }
-    __m512 v = _mm512_setzero_ps();
-    for (int j = 0; j < bits; j++) {
-        float w = j == bits - 1 ? -(float)(1 << j) : (float)(1 << j);
-        v = _mm512_fmadd_ps(acc[j], _mm512_set1_ps(w), v);
-    }
-    _mm512_mask_storeu_ps(out, lanes, v);
+    store_planes(acc, bits, lanes, out);
     for (; k < rowbytes; k++)
         for (int i = 0; i < nr; i++) {
             unsigned M[6], V[4];
