@@ -713,7 +713,6 @@ AI void store_planes(const __m512 *acc, const int bits, __mmask16 lanes, float *
     _mm512_mask_storeu_ps(out, lanes, v);
 }
 
-/* out[i] = sum_c v_c z_c for rows r0 + i, i < nr, of a planes stage (v: `bits`-bit two's complement) */
 /* 8 bytes of each of the 16 rows at q + row offset, as two dword vectors (bytes 0-3 and 4-7 of every row): two
  * qword gathers and two permutes, cheaper than two dword gathers (a gather costs about one load per element) */
 AI void gather_pair(const uint8_t *q, __m256i vlo, __m256i vhi, __mmask16 lanes, __m512i *g0, __m512i *g1) {
@@ -734,16 +733,6 @@ AI void lookup_dword(const __m512i *G, const float *tk, __m512 *acc, const int b
                                                          _mm512_permutexvar_ps(_mm512_srli_epi32(g, 4),
                                                                                _mm512_load_ps(tk + 32 * b + 16))));
         }
-}
-
-/* out[lane] = sum_j w_j acc_j with the two's complement plane weights (the top plane -2^j) */
-AI void store_planes(const __m512 *acc, const int bits, __mmask16 lanes, float *out) {
-    __m512 v = _mm512_setzero_ps();
-    for (int j = 0; j < bits; j++) {
-        float w = j == bits - 1 ? -(float)(1 << j) : (float)(1 << j);
-        v = _mm512_fmadd_ps(acc[j], _mm512_set1_ps(w), v);
-    }
-    _mm512_mask_storeu_ps(out, lanes, v);
 }
 
 /* out[i] = sum_c v_c z_c for rows r0 + i, i < nr, of a planes stage (v: `bits`-bit two's complement) */
