@@ -50,32 +50,32 @@ def _compiler() -> str:
     return cc
 
 
-def library_path() -> Path:
-    """Where the library for this source, compiler and CPU lives (built if missing)."""
+def library_path(source: Path = SOURCE, stem: str = "accel_kernels") -> Path:
+    """Where the library for this C source, compiler and CPU lives (built if missing)."""
     cc = _compiler()
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as exc:
         raise KernelUnavailable(f"the C compiler {cc!r} does not run: {exc}") from None
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_identity().encode(),
+    for part in (source.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_identity().encode(),
                  platform.machine().encode()):
         key.update(hashlib.sha256(part).digest())
-    target = cache_dir() / f"accel_kernels-{key.hexdigest()[:24]}.so"
+    target = cache_dir() / f"{stem}-{key.hexdigest()[:24]}.so"
     if not target.exists():
-        _build(cc, target)
+        _build(cc, source, target)
     return target
 
 
-def _build(cc: str, target: Path) -> None:
+def _build(cc: str, source: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        run = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], check=False, capture_output=True,
+        run = subprocess.run([cc, *FLAGS, "-o", tmp, str(source), "-lm"], check=False, capture_output=True,
                              text=True)
         if run.returncode != 0:
-            raise KernelUnavailable(f"building the accel CPU kernels failed ({cc}):\n{run.stderr.strip()[-2000:]}")
+            raise KernelUnavailable(f"building {source.name} failed ({cc}):\n{run.stderr.strip()[-2000:]}")
         os.replace(tmp, target)  # atomic: a concurrent build of the same key writes identical bytes
     finally:
         if os.path.exists(tmp):

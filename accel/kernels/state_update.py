@@ -14,10 +14,6 @@ expanded), v [B, H, d_v], g log-decay [B, H] (GDN) or [B, H, d_k] (KDA), beta [B
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -31,40 +27,13 @@ from accel.runtime.state_cache import decode_rows, encode_rows
 SOURCE = Path(__file__).with_name("state_update.c")
 
 
-def _library_path() -> Path:
-    cc = _build._compiler()
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError) as exc:
-        raise _build.KernelUnavailable(f"the C compiler {cc!r} does not run: {exc}") from None
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(_build.FLAGS).encode(), version.encode(),
-                                     _build._cpu_identity().encode()])).hexdigest()[:24]
-    target = _build.cache_dir() / f"state_update-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    try:
-        run = subprocess.run([cc, *_build.FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
-                             check=False)
-        if run.returncode != 0:
-            raise _build.KernelUnavailable(f"building the state-update kernel failed ({cc}):\n"
-                                           f"{run.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
 _i32, _ptr = ctypes.c_int, ctypes.c_void_p
 
 
 @cache
 def library() -> ctypes.CDLL:
     """The compiled kernels (KernelUnavailable, an AccelError, without a working gcc)."""
-    lib = ctypes.CDLL(str(_library_path()))
+    lib = ctypes.CDLL(str(_build.library_path(SOURCE, "state_update")))
     lib.accel_state_step_f32.argtypes = [_i32] * 5 + [_ptr] * 7 + [_i32]
     lib.accel_state_step_mixed.argtypes = [_i32] * 5 + [_ptr, _i32, _i32] + [_ptr] * 9 + [_i32]
     lib.accel_state_step_f32.restype = lib.accel_state_step_mixed.restype = _i32
