@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -71,4 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> None:
+    # transformers' notes (pure-PyTorch fallbacks for GDN/KDA kernels, deprecations) are not the user's concern
+    # here; TRANSFORMERS_VERBOSITY=warning brings them back
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     sys.exit(main())
