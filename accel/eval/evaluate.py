@@ -71,11 +71,11 @@ def _map_runtime(loaded: Any, settings: EvalSettings) -> tuple[Any, dict[str, An
         if spec is not None:
             method, arg = parse_spec(kind, spec)
             maps[kind] = method.from_eval_spec(arg, loaded.config)
+            method.check(maps[kind], loaded.config)  # an OUT_DIR's own maps were checked when it was loaded
     if not maps:
         return None, {}
     if len(maps) > 1:
         raise AccelError("a KV map and a state map together are not supported; apply one at a time")
     kind, stored = next(iter(maps.items()))
     method = get_method(kind, stored.method)
-    method.check(stored, loaded.config)
     return method.runtime(stored, loaded.model), {kind: {"method": stored.method, "params": stored.params}}
