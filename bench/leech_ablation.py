@@ -12,21 +12,18 @@ import argparse
 import json
 import re
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-from accel.calibrate.run import CalibSettings, calibrate
+from weights_protocol import MODEL, add_arguments, ensure_calibration, prepare
+
 from accel.converters import build_transformers_model, open_model
-from accel.eval.data import pydoc_text, token_windows
+from accel.eval.data import token_windows
 from accel.eval.load import load_decoded_tensors
 from accel.eval.perplexity import window_nll
 from accel.eval.stats import paired_bootstrap
 from accel.formats.artifact import Artifact
 from accel.quantize.pipeline import QuantizeSettings, quantize_model
-
-MODEL = "smollm2-135m"
 
 
 def _layer(name: str) -> int:
@@ -49,26 +46,12 @@ def groups(layers: int) -> dict[str, Callable[[str], bool]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
+    add_arguments(ap)
     ap.add_argument("--arm", default="leech4")
-    ap.add_argument("--quick", action="store_true", help="8 windows of 256 tokens, 16 calibration windows")
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--windows", type=int, default=40)
-    ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--calib-samples", type=int, default=64)
-    ap.add_argument("--workdir", type=Path, default=None, help="reuse/keep outputs here (calib/ is reused)")
     args = ap.parse_args()
-    if args.quick:
-        args.windows, args.seq_len, args.calib_samples = 8, 256, 16
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="leech_ablation."))
-    work.mkdir(parents=True, exist_ok=True)
-    text = pydoc_text()
-    half = len(text) // 2
-    (work / "calib.txt").write_text(text[half:], encoding="utf-8")
-    calib = work / "calib"
+    work, eval_text = prepare(args, "leech_ablation.")
     started = time.perf_counter()
-    if not calib.exists():
-        calibrate(MODEL, work / "calib.txt", calib, ["weights"],
-                  CalibSettings(samples=args.calib_samples, seq_len=args.seq_len))
+    calib = ensure_calibration(work, args)
     out = work / args.arm
     quantize_model(MODEL, out, QuantizeSettings(weights=args.arm, calib=str(calib)), force=True)
     art = Artifact(out)
@@ -77,7 +60,7 @@ def main() -> int:
     with open_model(MODEL) as source:
         original = {n: source.load_tensor(n) for n in source.tensor_names()}
         config, tokenizer = dict(source.config), source.load_tokenizer()
-    windows = token_windows(tokenizer, text[:half], args.seq_len, args.windows)
+    windows = token_windows(tokenizer, eval_text, args.seq_len, args.windows)
     ref = window_nll(build_transformers_model(config, original), windows)
     rows = []
     for label, keep in groups(int(config["num_hidden_layers"])).items():

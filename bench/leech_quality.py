@@ -9,53 +9,33 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
-import time
-from pathlib import Path
 
 import numpy as np
+from weights_protocol import MODEL, add_arguments, ensure_calibration, prepare
 
-from accel.calibrate.run import CalibSettings, calibrate
-from accel.eval.data import pydoc_text, token_windows
+from accel.eval.data import token_windows
 from accel.eval.load import load_causal_lm
 from accel.eval.perplexity import window_nll
 from accel.eval.stats import paired_bootstrap
 from accel.quantize.methods import get_weight_method
 from accel.quantize.pipeline import QuantizeSettings, quantize_model
 
-MODEL = "smollm2-135m"
 ARMS = ["fp32", "rtn2", "rtn3", "hqq2", "hqq3", "gptq2", "gptq3", "leech2", "leech3", "leech4"]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--quick", action="store_true", help="8 windows of 256 tokens, 16 calibration windows")
-    ap.add_argument("--json", action="store_true")
+    add_arguments(ap)
     ap.add_argument("--arms", default=",".join(ARMS))
-    ap.add_argument("--windows", type=int, default=40)
-    ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--calib-samples", type=int, default=64)
-    ap.add_argument("--workdir", type=Path, default=None, help="keep outputs here (default: a temporary dir)")
     args = ap.parse_args()
-    if args.quick:
-        args.windows, args.seq_len, args.calib_samples = 8, 256, 16
     arms = [a for a in args.arms.split(",") if a]
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="leech_quality."))
-    work.mkdir(parents=True, exist_ok=True)
-    text = pydoc_text()
-    half = len(text) // 2
-    (work / "eval.txt").write_text(text[:half], encoding="utf-8")
-    (work / "calib.txt").write_text(text[half:], encoding="utf-8")
-
+    work, eval_text = prepare(args, "leech_quality.")
     calib = work / "calib"
-    if any(a != "fp32" and get_weight_method(a).uses_calibration for a in arms) and not calib.exists():
-        t = time.perf_counter()
-        calibrate(MODEL, work / "calib.txt", calib, ["weights"],
-                  CalibSettings(samples=args.calib_samples, seq_len=args.seq_len))
-        print(f"calibration: {time.perf_counter() - t:.0f} s", file=sys.stderr)
+    if any(a != "fp32" and get_weight_method(a).uses_calibration for a in arms):
+        ensure_calibration(work, args)
 
     ref = load_causal_lm(MODEL)
-    windows = token_windows(ref.tokenizer, text[:half], args.seq_len, args.windows)
+    windows = token_windows(ref.tokenizer, eval_text, args.seq_len, args.windows)
     ref_nll = window_nll(ref.model, windows)
     del ref
     rows = []
