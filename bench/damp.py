@@ -1,6 +1,7 @@
 """DAMP against uniform recurrent-state quantization on the trained fixtures, decoding token by token.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/damp.py [--quick] [--fixtures tiny-gdn,tiny-kda] [--json]
+        [--arms 'int:9;damp:9.5,alloc=water'] [--windows N] [--stats DIR]
 
 For each fixture: `accel calibrate --for state` on training text (windows of `accel.fixtures.corpus.train_text`),
 then every arm decodes the same held-out windows (`heldout_text`, never trained on) one token at a time through
@@ -11,7 +12,10 @@ distribution from the fp32 arm's (far more sensitive than ΔNLL: it is never neg
 sampled text). The matched table compares DAMP with the uniform arm of equal bits per value (and with the same
 formats on random channels), paired per window. Arms: fp32, bf16, fp16, uniform INT8 / FP8 / INT4 (one
 float16 scale per channel), and, at matched budgets, uniform INT-K (K = 5, 6, 9, 10); DAMP at 9.9 bits and lower
-budgets; DAMP's ranking ablations at 9.9 (energy alone, persistence alone, random channels with the same formats).
+budgets; DAMP's ranking ablations at 9.9 (energy alone, persistence alone, random channels with the same formats);
+DAMP with water-filled INT-K widths per channel (`alloc=water`, weighted by the measured gradient sensitivity) at
+exactly uniform INT-K's bits (10.5, 9.5, 6.5, 5.5) and at 9.9, with its weighting ablations (energy x persistence,
+energy alone, random weights). `--arms` runs a subset (fp32 always first), `--stats` keeps the calibration.
 "No detectable loss" means the ΔNLL interval lies inside ±MARGIN nats/token, a margin fixed before the final runs;
 `detectable` says whether the interval excludes zero.
 Also reported: the share of INT8 error energy in the top 10% of channels, and the split-half rank correlations.
@@ -44,21 +48,45 @@ from accel.eval.stats import paired_bootstrap
 from accel.fixtures.corpus import heldout_text, train_text
 from accel.quantize.damp import damp_map, parse_damp_arg
 from accel.quantize.maps import parse_spec
+from accel.runtime.state_shapes import state_shape
 
 MARGIN = 0.001  # nats/token: the "no detectable loss" margin, fixed before the final runs (docs/damp.md)
 
 UNIFORM = ["fp32", "bf16", "fp16", "int8", "fp8", "int4", "int:5", "int:6", "int:9", "int:10"]
 DAMP = ["damp:9.9", "damp:9.5", "damp:9.0", "damp:6.5", "damp:5.5",
         "damp:9.9,rank=energy", "damp:9.9,rank=persistence", "damp:9.9,rank=random",
-        "damp:6.5,rank=random"]
+        "damp:6.5,rank=random",
+        # water-filled INT-K widths per channel (rank=sensitivity by default), at exactly uniform INT-K's budgets
+        "damp:10.5,alloc=water", "damp:9.9,alloc=water", "damp:9.5,alloc=water", "damp:6.5,alloc=water",
+        "damp:5.5,alloc=water",
+        "damp:9.5,alloc=water,rank=both", "damp:9.5,alloc=water,rank=energy", "damp:6.5,alloc=water,rank=both",
+        "damp:6.5,alloc=water,rank=random"]
 QUICK_UNIFORM = ["fp32", "bf16", "int8", "fp8", "int4"]
 QUICK_DAMP = ["damp:9.9", "damp:9.0", "damp:6.5"]
+
+
+def load_or_collect(model, windows, directory: Path | None, name: str) -> dict:
+    """collect_state_stats, or its arrays from `directory` (written there by an earlier run with these windows)."""
+    path = None if directory is None else directory / f"{name}-{len(windows)}x{windows.shape[1]}.npz"
+    if path is not None and path.exists():
+        with np.load(path) as z:
+            stats = {k: z[k] for k in z.files if k != "_meta"}
+            meta = json.loads(str(z["_meta"]))
+        stats.update(meta, shape=state_shape(model.config))
+        return stats
+    stats = collect_state_stats(model, windows)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        arrays = {k: v for k, v in stats.items() if isinstance(v, np.ndarray)}
+        meta = {k: v for k, v in stats.items() if isinstance(v, int)}
+        np.savez(path, _meta=json.dumps(meta), **arrays)
+    return stats
 
 
 def stored_map(spec: str, loaded, stats, seed: int):
     method, arg = parse_spec("state", spec)
     if method.name == "damp":
-        return damp_map(stats["energy"], stats["persistence"], stats["shape"], parse_damp_arg(arg), seed)
+        return damp_map(stats, stats["shape"], parse_damp_arg(arg), seed)
     return method.from_eval_spec(arg, loaded.config)
 
 
@@ -81,7 +109,14 @@ def mean_kl(ref_steps: list, steps: list, windows: int) -> np.ndarray:
 
 
 # DAMP against the uniform arm at the same bits per value (and 9.9 against its two uniform neighbours)
-MATCHED = [("damp:9.5", "int:9"), ("damp:6.5", "int:6"), ("damp:5.5", "int:5"), ("damp:9.9", "int:9"),
+MATCHED = [("damp:10.5,alloc=water", "int:10"), ("damp:9.5,alloc=water", "int:9"),
+           ("damp:6.5,alloc=water", "int:6"), ("damp:5.5,alloc=water", "int:5"),
+           ("damp:9.9,alloc=water", "int:9"), ("damp:9.9,alloc=water", "int:10"),
+           ("damp:9.9,alloc=water", "damp:9.9"), ("damp:9.5,alloc=water", "damp:9.5"),
+           ("damp:6.5,alloc=water", "damp:6.5"), ("damp:5.5,alloc=water", "damp:5.5"),
+           ("damp:9.5,alloc=water,rank=both", "int:9"), ("damp:9.5,alloc=water,rank=energy", "int:9"),
+           ("damp:6.5,alloc=water,rank=both", "int:6"), ("damp:6.5,alloc=water,rank=random", "int:6"),
+           ("damp:9.5", "int:9"), ("damp:6.5", "int:6"), ("damp:5.5", "int:5"), ("damp:9.9", "int:9"),
            ("damp:9.9", "int:10"), ("damp:9.9", "damp:9.9,rank=random"), ("damp:6.5", "damp:6.5,rank=random")]
 
 
@@ -91,12 +126,14 @@ def run_fixture(name: str, args) -> dict:
     calib_windows = pick_windows(loaded.tokenizer, train_text(),
                                  CalibSettings(samples=args.calib_samples, seq_len=args.seq_len, seed=0))
     started = time.perf_counter()
-    stats = collect_state_stats(loaded.model, calib_windows)
+    stats = load_or_collect(loaded.model, calib_windows, args.stats, name)
     with tempfile.TemporaryDirectory() as tmp:
         calib_report = write_state_stats(Path(tmp), stats)
     calib_seconds = time.perf_counter() - started
     windows = token_windows(loaded.tokenizer, heldout_text(), args.seq_len, args.windows)
     arms = (QUICK_UNIFORM + QUICK_DAMP) if args.quick else (UNIFORM + DAMP)
+    if args.arms:
+        arms = ["fp32"] + [a.strip() for a in args.arms.split(";") if a.strip() and a.strip() != "fp32"]
     rows, ref, ref_steps, per_window = [], None, None, {}
     for spec in arms:
         stored = stored_map(spec, loaded, stats, seed=0)
@@ -119,7 +156,11 @@ def run_fixture(name: str, args) -> dict:
                "no_detectable_loss": bool(-MARGIN <= delta.low and delta.high <= MARGIN),
                "detectable": bool(delta.low > 0 or delta.high < 0), "kl": kl_ci.mean,
                "kl_ci": [kl_ci.low, kl_ci.high], "seconds": seconds}
-        if method.name == "damp":
+        if method.name == "damp" and stored.params.get("alloc") == "water":
+            row["widths"] = stored.params["widths"]
+            ks = [int(k[3:]) for k in stored.params["widths"]]
+            row["formats"] = f"int{min(ks)}..int{max(ks)}"
+        elif method.name == "damp":
             row["high_channels"] = stored.params["high_channels"]
             row["formats"] = f"{stored.params['high']}/{stored.params['low']}"
         rows.append(row)
@@ -150,6 +191,10 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per window (default 512; quick 128)")
     parser.add_argument("--calib-samples", type=int, default=None, help="calibration windows (default 64)")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
+    parser.add_argument("--arms", default=None,
+                        help="only these arms, separated by ';' (fp32, the reference, always runs first)")
+    parser.add_argument("--stats", default=None, type=Path,
+                        help="a directory to keep each fixture's calibration statistics in and reuse them from")
     args = parser.parse_args()
     args.windows = args.windows or (4 if args.quick else 16)
     args.seq_len = args.seq_len or (128 if args.quick else 512)
@@ -173,7 +218,11 @@ def markdown(results: list[dict]) -> str:
                 f"{cal['top10_energy_share']:.1%} of the INT8 error energy ({cal['top10_score_share']:.1%} of "
                 f"energy x persistence). Split-half rank correlation: energy {cal['energy_rank_corr']:.3f}, "
                 f"persistence {cal['persistence_rank_corr']:.3f}, product {cal['score_rank_corr']:.3f}; top-20% "
-                f"overlap {cal['score_top20_overlap']:.2f}."), "",
+                f"overlap {cal['score_top20_overlap']:.2f}."
+                + (f" Gradient sensitivity: top-10% channels hold {cal['top10_sensitivity_share']:.1%} of energy x "
+                   f"sensitivity; split-half rank correlation {cal['sensitivity_rank_corr']:.3f} (sensitivity), "
+                   f"{cal['sensitivity_score_rank_corr']:.3f} (energy x sensitivity)."
+                   if "sensitivity_rank_corr" in cal else "")), "",
                 ("| arm | formats | bits/value | state bytes | ppl | ΔNLL | 95% CI | detectable | within ±margin "
                  "| KL to fp32 | 95% CI |"),
                 "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -2,16 +2,33 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from test_cli import assert_one_line_error, run, run_json
 
-from accel.calibrate.state import persistence, rank, spearman, top_share
+import accel.fixtures
+from accel.calibrate.state import persistence, rank, read_state_stats, spearman, top_share
 from accel.errors import AccelError
-from accel.quantize.damp import DampSpec, parse_damp_arg, risk_score, select_channels
-from accel.runtime.state_shapes import StateShape
+from accel.eval.load import load_causal_lm
+from accel.formats.artifact import Artifact
+from accel.quantize.damp import (
+    WATER_BITS,
+    Damp,
+    DampSpec,
+    damp_map,
+    parse_damp_arg,
+    risk_score,
+    select_channels,
+    water_fill,
+)
+from accel.quantize.maps import StoredMap, read_maps
+from accel.runtime.state_cache import StateScheme
+from accel.runtime.state_shapes import StateShape, state_shape
 
 
 def test_damp_arguments():
@@ -20,8 +37,11 @@ def test_damp_arguments():
     assert parse_damp_arg("rank=persistence") == DampSpec(9.9, "persistence", None, None)
     assert DampSpec(9.9).formats(32) == ("fp16", "int8")
     assert DampSpec(6.5).formats(32) == ("int8", "int4")  # below INT8's own bits: the adjacent tiers
+    assert parse_damp_arg("9.5,alloc=water") == DampSpec(9.5, "sensitivity", None, None, "water")
+    assert parse_damp_arg("alloc=water,rank=both") == DampSpec(9.9, "both", None, None, "water")
     for bad, msg in (("x", "not a number"), ("rank=loud", "choose from"), ("high=int4", "choose from"),
-                     ("9,frac=1", "unknown option"), ("low=int99", "unknown state format"), ("-1", "positive")):
+                     ("9,frac=1", "unknown option"), ("low=int99", "unknown state format"), ("-1", "positive"),
+                     ("alloc=fill", "choose from"), ("alloc=water,high=fp16", "high= and low= are for")):
         with pytest.raises(AccelError, match=msg):
             parse_damp_arg(bad)
 
@@ -40,6 +60,88 @@ def test_selection_hits_the_budget_with_scales_counted():
     with pytest.raises(AccelError, match="below int8 alone"):
         select_channels(score, shape, 8.0, "fp16", "int8")
     assert select_channels(score, shape, 16.0, "fp16", "int8")[0].all()
+
+
+_GDN_CONFIG = json.loads((Path(accel.fixtures.__file__).parent / "tiny-gdn" / "config.json").read_text())
+
+
+def _stats(shape: StateShape, seed: int = 0) -> dict:
+    """Calibration-like statistics: lognormal energies on a 4^-K curve, persistence and sensitivity."""
+    rng = np.random.default_rng(seed)
+    dims = (len(shape.layers), shape.heads, shape.d_k)
+    e8 = rng.lognormal(0, 1.5, dims)
+    return {"energy": e8, "persistence": rng.uniform(1, 50, dims), "sensitivity": rng.lognormal(0, 1, dims),
+            "energy_tiers": np.stack([e8 * 4.0 ** (8 - k) for k in WATER_BITS])}
+
+
+def test_water_fill_matches_brute_force_on_a_small_instance():
+    rng = np.random.default_rng(3)
+    for trial in range(4):
+        r = rng.lognormal(0, 2, 4)  # four channels, loss r_c 4^-K at K = 2..7
+        loss = r[:, None] * 4.0 ** -np.arange(2, 8)[None, :]
+        grid = np.stack(np.meshgrid(*[np.arange(6)] * 4, indexing="ij"), -1).reshape(-1, 4)
+        totals = loss[np.arange(4)[None], grid].sum(1)
+        for steps in range(4 * 5 + 1):
+            taken = water_fill(loss, steps)
+            assert taken.sum() == steps and taken.min() >= 0 and taken.max() <= 5
+            best = totals[grid.sum(1) <= steps].min()
+            assert loss[np.arange(4), taken].sum() == pytest.approx(best, rel=1e-12), (trial, steps)
+    # the closed form: K_c = K̄ + ½ log2(r_c / geomean(r)), here integers (K̄ = 8, geomean 64)
+    r = np.array([1.0, 16.0, 256.0, 4096.0])
+    taken = water_fill(r[:, None] * 4.0 ** -np.arange(2, 17)[None, :], 4 * 6)
+    assert (2 + taken).tolist() == [5, 7, 9, 11]
+
+
+def test_water_fill_is_monotone_in_the_budget():
+    rng = np.random.default_rng(1)
+    loss = np.sort(rng.lognormal(0, 2, (60, 15)), axis=1)[:, ::-1]  # decreasing, not convex
+    loss[::7, 5] = loss[::7, 4]  # flat steps, for ties
+    prev = water_fill(loss, 0)
+    for steps in range(1, 60 * 14 + 1, 7):
+        taken = water_fill(loss, steps)
+        assert (taken >= prev).all() and taken.sum() == steps
+        prev = taken
+    shape = StateShape("kda", (0, 1), 2, 16, 32)
+    stats = _stats(shape)
+    widths = [damp_map(stats, shape, parse_damp_arg(f"{b},alloc=water")).arrays["bits"] for b in
+              np.arange(2.5, 16.51, 0.25)]
+    assert all((b >= a).all() for a, b in itertools.pairwise(widths))
+    assert widths[0].max() == 2 and widths[-1].min() == 16
+
+
+@pytest.mark.parametrize("d_v", [32, 128])
+def test_water_map_budget_is_exact_in_measured_bytes(d_v):
+    shape = StateShape("gdn", (0, 1, 2), 4, 32, d_v)
+    stats = _stats(shape, seed=d_v)
+    for bits in (5.5, 6.5, 9.5, 9.9, 10.5):
+        stored = damp_map(stats, shape, parse_damp_arg(f"{bits},alloc=water"))
+        widths = stored.arrays["bits"]
+        scheme = StateScheme(shape, low="int8", row_formats={
+            layer: [f"int{k}" for k in widths[i].reshape(-1)] for i, layer in enumerate(shape.layers)})
+        state = torch.randn(1, shape.heads, shape.d_k, d_v)
+        nbytes = sum(scheme.store(layer, state).nbytes for layer in shape.layers)
+        measured = 8.0 * nbytes / shape.values
+        assert measured == stored.params["bits_per_value"] == scheme.bits_per_value()
+        assert bits - 1.0 / shape.channels < measured <= bits + 1e-12  # the most the budget allows
+        assert len(stored.params["widths"]) > 2  # more than two tiers
+
+
+def test_water_map_check_refuses_bad_widths():
+    shape = StateShape("gdn", (0, 1, 2), 4, 32, 32)
+    config = _GDN_CONFIG
+    stored = damp_map(_stats(shape), shape, parse_damp_arg("6.5,alloc=water"))
+    Damp().check(stored, config)
+    bad = {"bits": stored.arrays["bits"].copy()}
+    bad["bits"][0, 0, 0] = 17
+    with pytest.raises(AccelError, match="each must be an INT-K width in 2..16"):
+        Damp().check(StoredMap("state", "damp", stored.params, bad), config)
+    with pytest.raises(AccelError, match=r"channel widths are \(3, 4, 16\), the model needs \(3, 4, 32\)"):
+        Damp().check(StoredMap("state", "damp", stored.params, {"bits": stored.arrays["bits"][..., :16]}), config)
+    params = {**stored.params, "bits_per_value": 7.0}
+    with pytest.raises(AccelError, match="records 7.0 bits per value but its channel widths give 6.500000"):
+        Damp().check(StoredMap("state", "damp", params, stored.arrays), config)
+    with pytest.raises(AccelError, match="allocation 'wild' is unknown"):
+        Damp().check(StoredMap("state", "damp", {**stored.params, "alloc": "wild"}, stored.arrays), config)
 
 
 def test_statistics_helpers():
@@ -89,16 +191,47 @@ def test_quantize_and_eval_damp_map(capsys, gdn_calib, tmp_path, text_file):
     assert code == 0 and "bits per value" in printed
 
 
-def test_mismatched_map_and_calibration_are_refused(capsys, gdn_calib, tmp_path, text_file):
-    out = tmp_path / "d"
-    run_json(capsys, "quantize", "tiny-gdn", "--state", "damp:9.0,rank=energy", "--calib", gdn_calib, "--out", out)
+def _assert_refused_with_other_heads(capsys, out, text_file):
+    """Edit OUT's config so the map describes a model with other heads: eval must refuse it (exit 2)."""
     cfg = json.loads((out / "config.json").read_text())
-    cfg["linear_num_value_heads"] = 8  # the map now describes a model with other heads
+    cfg["linear_num_value_heads"] = 8
     (out / "config.json").write_text(json.dumps(cfg))
     code, _, err = run(capsys, "eval", out, "--data", text_file, "--windows", "1", "--seq-len", "16")
     assert_one_line_error(code, err, 2, "the state map is for 3 linear-attention layers x 4 heads x 32 channels")
+
+
+def test_mismatched_map_and_calibration_are_refused(capsys, gdn_calib, tmp_path, text_file):
+    out = tmp_path / "d"
+    run_json(capsys, "quantize", "tiny-gdn", "--state", "damp:9.0,rank=energy", "--calib", gdn_calib, "--out", out)
+    _assert_refused_with_other_heads(capsys, out, text_file)
     code, _, err = run(capsys, "quantize", "tiny-kda", "--state", "damp", "--calib", gdn_calib,
                        "--out", tmp_path / "k")
     assert_one_line_error(code, err, 2, "was recorded on another model: its state statistics are for")
     code, _, err = run(capsys, "quantize", "tiny-gdn", "--state", "damp", "--out", tmp_path / "n")
     assert_one_line_error(code, err, 2, "needs --calib")
+
+
+def test_water_map_round_trip_and_refusals(capsys, gdn_calib, tmp_path, text_file):
+    out = tmp_path / "w"
+    rep = run_json(capsys, "quantize", "tiny-gdn", "--state", "damp:6.5,alloc=water", "--calib", gdn_calib,
+                   "--out", out)
+    assert rep["maps"] == {"state": "damp"}
+    doc = json.loads((out / "accel.json").read_text())["maps"]["state"]
+    assert doc["params"]["alloc"] == "water" and doc["params"]["rank"] == "sensitivity"
+    assert doc["params"]["bits_per_value"] == 6.5
+    arrays, _ = read_state_stats(gdn_calib)
+    shape = state_shape(load_causal_lm("tiny-gdn").config)
+    expected = damp_map(arrays, shape, parse_damp_arg("6.5,alloc=water")).arrays["bits"]
+    art = Artifact(out)
+    stored = read_maps(art)["state"]
+    art.close()
+    np.testing.assert_array_equal(stored.arrays["bits"], expected)  # the widths survive the container
+    ev = run_json(capsys, "eval", out, "--data", text_file, "--windows", "1", "--seq-len", "40",
+                  "--reference", "tiny-gdn")
+    assert ev["state_bits_per_value"] == 6.5  # measured from the stored bytes
+    assert abs(ev["delta_nll"]) < 0.05
+    # a model whose heads differ is refused before decoding (a tampered map: test_water_map_check_refuses_…)
+    _assert_refused_with_other_heads(capsys, out, text_file)
+    code, _, err = run(capsys, "quantize", "tiny-gdn", "--state", "damp:2,alloc=water", "--calib", gdn_calib,
+                       "--out", tmp_path / "low")
+    assert_one_line_error(code, err, 2, "is below int2 alone (2.5 bits per value")

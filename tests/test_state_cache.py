@@ -17,6 +17,7 @@ from accel.runtime.state_cache import (
     decode_rows,
     encode_rows,
     pack_codes,
+    quantize_rows,
     row_bits,
     unpack_codes,
 )
@@ -65,6 +66,27 @@ def test_scheme_splits_channels_and_counts_bits():
     assert scheme.bits_per_value() == pytest.approx((3 * 32 + 13 * 9 + 16 * 9) / 32)
     with pytest.raises(AccelError, match="scheme is for 2x8x16"):
         scheme.store(0, torch.randn(1, 2, 8, 8))
+
+
+def test_scheme_with_a_format_per_row():
+    shape = StateShape("gdn", (1,), 2, 8, 32)
+    fmts = [f"int{k}" for k in (2, 3, 16, 5, 5, 9, 8, 12, 3, 3, 7, 16, 2, 4, 6, 11)]
+    scheme = StateScheme(shape, low="int8", row_formats={1: fmts})
+    state = torch.randn(2, 2, 8, 32)
+    stored = scheme.store(1, state)
+    back = scheme.load(1, stored).reshape(2, 16, 32)
+    rows = state.reshape(2, 16, 32)
+    for i, fmt in enumerate(fmts):  # each row exactly as its own format stores it
+        assert torch.equal(back[:, i], quantize_rows(rows[:, i], fmt))
+    assert stored.nbytes == 2 * sum(4 * int(f[3:]) + 2 for f in fmts)  # K bits x 32 values + a float16 scale
+    assert scheme.bits_per_value() == pytest.approx(np.mean([int(f[3:]) for f in fmts]) + 0.5)
+    assert 8 * stored.nbytes / (2 * 16 * 32) == scheme.bits_per_value()
+    with pytest.raises(AccelError, match="15 row formats for 16 rows"):
+        StateScheme(shape, low="int8", row_formats={1: fmts[:15]})
+    with pytest.raises(AccelError, match="unknown state format 'int17'"):
+        StateScheme(shape, low="int8", row_formats={1: fmts[:15] + ["int17"]})
+    with pytest.raises(AccelError, match="more than two tiers"):
+        scheme.split(1)
 
 
 @pytest.mark.parametrize("fixture", ["tiny-gdn", "tiny-kda"])

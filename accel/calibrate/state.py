@@ -34,12 +34,15 @@ from accel.errors import AccelError
 from accel.formats.artifact import Artifact, write_weights
 from accel.formats.tensor import encode_tensor
 from accel.progress import SILENT, Progress
-from accel.runtime.state_cache import quantize_rows
+from accel.runtime.state_cache import int_round_trip, quantize_rows
 from accel.runtime.state_shapes import StateShape, state_shape
 
 SEGMENT = 32  # tokens between state snapshots
 STATE_DIR = "state"
 ARRAYS = ("energy", "persistence", "mean_log_decay", "mean_decay2", "energy_half", "persistence_half")
+# written since the water-filling allocation (`--state damp:…,alloc=water`); older directories lack them
+TIER_BITS = tuple(range(2, 17))  # INT-K widths whose error energy is recorded, in energy_tiers' order
+OPTIONAL = ("energy_tiers", "sensitivity", "sensitivity_half")
 
 
 class _RecordingCache(DynamicCache):
@@ -79,6 +82,7 @@ def collect_state_stats(model: torch.nn.Module, windows: np.ndarray, segment: in
     pos = {li: i for i, li in enumerate(shape.layers)}
     nl, h, dk = len(shape.layers), shape.heads, shape.d_k
     energy = np.zeros((2, nl, h, dk))
+    tiers = np.zeros((len(TIER_BITS), nl, h, dk))
     snapshots = np.zeros(2)
     log_decay = np.zeros((2, nl, h, dk))
     decay2 = np.zeros((2, nl, h, dk))
@@ -92,6 +96,9 @@ def collect_state_stats(model: torch.nn.Module, windows: np.ndarray, segment: in
         rows = state.detach().float().reshape(-1, shape.d_v)
         err = (quantize_rows(rows, "int8") - rows).double().pow(2).sum(-1).reshape(b, h, dk).sum(0)
         energy[half[0], pos[layer_idx]] += err.numpy()
+        for t, k in enumerate(TIER_BITS):
+            tiers[t, pos[layer_idx]] += (int_round_trip(rows, k) - rows).double().pow(2).sum(-1).reshape(
+                b, h, dk).sum(0).numpy()
         if layer_idx == shape.layers[0]:
             snapshots[half[0]] += b
 
@@ -127,6 +134,7 @@ def collect_state_stats(model: torch.nn.Module, windows: np.ndarray, segment: in
             handle.remove()
     if snapshots.min() == 0:
         raise AccelError("state calibration needs at least 2 windows (one per half of the data)")
+    sens = collect_sensitivity(model, windows, segment, progress)
     seq_len = windows.shape[1]
     e_half = energy / snapshots[:, None, None, None]
     m_half = decay2 / tokens[:, None, None, None]
@@ -139,11 +147,69 @@ def collect_state_stats(model: torch.nn.Module, windows: np.ndarray, segment: in
         "mean_decay2": m_all,
         "persistence": persistence(m_all, seq_len),
         "persistence_half": persistence(m_half, seq_len),
+        "energy_tiers": tiers / snapshots.sum(),
+        "sensitivity": sens.sum(0) / 2.0,
+        "sensitivity_half": sens,
         "snapshots": int(snapshots.sum()),
         "tokens": int(tokens.sum()),
         "seq_len": int(seq_len),
         "segment": int(segment),
     }
+
+
+class _SensingCache(DynamicCache):
+    """Hands each linear layer its state plus a zero leaf tensor, so the loss's gradient reaches that leaf."""
+
+    def __init__(self, config: Any, layers: dict[int, int]):
+        super().__init__(config=config)
+        self._layers, self.leaves = layers, []
+
+    def get_recurrent_state(self, layer_idx, state_idx=0):
+        state = super().get_recurrent_state(layer_idx, state_idx)
+        if state is None or state_idx != 0 or layer_idx not in self._layers:
+            return state
+        leaf = torch.zeros_like(state, requires_grad=True)
+        self.leaves.append((layer_idx, leaf))
+        return state + leaf
+
+
+def collect_sensitivity(model: torch.nn.Module, windows: np.ndarray, segment: int = SEGMENT,
+                        progress: Progress = SILENT) -> np.ndarray:
+    """[2 halves, layers, heads, d_k]: per channel, the mean over state reads of Σ_v (∂NLL/∂S[c, v])².
+
+    Each window runs in segments of `segment` tokens; where a segment reads a layer's state, a zero leaf is
+    added to it, and one backward pass of the window's summed next-token NLL gives the gradient of every later
+    token's loss with respect to the state there (through the recurrence, the later layers and the head). An
+    error e in channel c changes the loss by about ½ Σ_v F[c, v] e_v² (F the Fisher information, estimated by
+    the squared gradient), so the channel's expected loss from a quantizer of error energy D is about
+    ½ sensitivity·D / d_v: the weight water-filling gives each channel's error energy (docs/damp.md).
+    """
+    shape = state_shape(model.config)
+    pos = {li: i for i, li in enumerate(shape.layers)}
+    sums = np.zeros((2, len(shape.layers), shape.heads, shape.d_k))
+    reads = np.zeros(2)
+    progress.stage("calibrating (state sensitivity)", len(windows))
+    with torch.inference_mode(False), torch.enable_grad():
+        for w, window in enumerate(windows):
+            ids = torch.from_numpy(np.ascontiguousarray(window))[None]
+            cache = _SensingCache(model.config, pos)
+            loss = torch.zeros((), dtype=torch.float64)
+            for start in range(0, ids.shape[1], segment):
+                chunk = ids[:, start:start + segment + 1]
+                out = model(input_ids=chunk[:, :segment], cache=cache, use_cache=True)
+                n = chunk.shape[1] - 1
+                if n > 0:
+                    logp = torch.log_softmax(out.logits[0, :n].float(), dim=-1)
+                    loss = loss - logp.gather(1, chunk[0, 1:, None]).double().sum()
+            if cache.leaves and loss.requires_grad:
+                grads = torch.autograd.grad(loss, [leaf for _, leaf in cache.leaves], allow_unused=True)
+                for (li, _), g in zip(cache.leaves, grads):
+                    if g is not None:
+                        sums[w % 2, pos[li]] += g.detach().double().pow(2).sum(-1).sum(0).numpy()
+                reads[w % 2] += ids.shape[0] * (len(cache.leaves) // max(1, len(pos)))
+            progress.advance()
+    progress.close()
+    return sums / np.maximum(reads, 1)[:, None, None, None]
 
 
 def persistence(mean_decay2: np.ndarray, horizon: int) -> np.ndarray:
@@ -195,9 +261,14 @@ def stability(stats: dict[str, Any]) -> dict[str, float]:
     # GDN persistence is one number per head: correlate heads, not their repeated channels
     p0, p1 = (p[0][..., 0], p[1][..., 0]) if shape.arch == "gdn" else (p[0], p[1])
     score = e * p
-    return {"energy_rank_corr": spearman(e[0], e[1]), "persistence_rank_corr": spearman(p0, p1),
-            "score_rank_corr": spearman(score[0], score[1]),
-            "score_top20_overlap": top_overlap(score[0], score[1], 0.2)}
+    out = {"energy_rank_corr": spearman(e[0], e[1]), "persistence_rank_corr": spearman(p0, p1),
+           "score_rank_corr": spearman(score[0], score[1]),
+           "score_top20_overlap": top_overlap(score[0], score[1], 0.2)}
+    if "sensitivity_half" in stats:
+        f = stats["sensitivity_half"]
+        out["sensitivity_rank_corr"] = spearman(f[0], f[1])
+        out["sensitivity_score_rank_corr"] = spearman(e[0] * f[0], e[1] * f[1])
+    return out
 
 
 @register_kind("state")
@@ -215,8 +286,10 @@ def write_state_stats(out_dir: Path, stats: dict[str, Any]) -> dict[str, Any]:
               "segment": stats["segment"], "seq_len": stats["seq_len"],
               "top10_energy_share": top_share(stats["energy"]),
               "top10_score_share": top_share(stats["energy"] * stats["persistence"]), **corr}
+    if "sensitivity" in stats:
+        report["top10_sensitivity_share"] = top_share(stats["energy"] * stats["sensitivity"])
     encoded = [encode_tensor(name, np.asarray(stats[name], dtype=np.float32), "raw", role="data", dtype="float32")
-               for name in ARRAYS]
+               for name in ARRAYS + OPTIONAL if name in stats]
     write_weights(Path(out_dir), encoded, extra={"state": {**report, "shape": shape.to_json()}})
     (Path(out_dir) / "table.md").write_text(state_table(stats, report), encoding="utf-8")
     report["plots"] = write_plots(Path(out_dir), stats, corr)
@@ -240,9 +313,10 @@ def state_table(stats: dict[str, Any], report: dict[str, Any]) -> str:
                          f"{top_share(e[i, hh]):.3f} | {g[i, hh].min():.4f}..{g[i, hh].max():.4f} | "
                          f"{p[i, hh].min():.2f}..{p[i, hh].max():.2f} |")
     lines += ["", "| statistic | value |", "|---|---|"]
-    for key in ("top10_energy_share", "top10_score_share", "energy_rank_corr", "persistence_rank_corr",
-                "score_rank_corr", "score_top20_overlap"):
-        lines.append(f"| {key} | {report[key]:.4f} |")
+    for key in ("top10_energy_share", "top10_score_share", "top10_sensitivity_share", "energy_rank_corr", "persistence_rank_corr",
+                "score_rank_corr", "score_top20_overlap", "sensitivity_rank_corr", "sensitivity_score_rank_corr"):
+        if key in report:
+            lines.append(f"| {key} | {report[key]:.4f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -314,8 +388,10 @@ def read_state_stats(calib_dir: Path) -> tuple[dict[str, np.ndarray], dict[str, 
     if not isinstance(doc, dict) or not isinstance(doc.get("shape"), dict):
         raise AccelError(f"--calib {calib_dir}: {STATE_DIR}/ lacks its state document")
     arrays = {}
-    for name in ARRAYS:
+    for name in ARRAYS + OPTIONAL:
         if name not in art.names:
+            if name in OPTIONAL:
+                continue
             raise AccelError(f"--calib {calib_dir}: {STATE_DIR}/ lacks the array {name!r}")
         arrays[name] = art.decode(name).astype(np.float64)
     art.close()

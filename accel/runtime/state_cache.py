@@ -85,6 +85,19 @@ def _scales(rows: torch.Tensor, qmax: float) -> torch.Tensor:
     return torch.clamp(absmax / qmax, min=2.0**-24).to(SCALE_DTYPE)
 
 
+def _int_codes(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(signed codes as float32, float16 scales) of INT-K rows."""
+    qmax = float(2 ** (k - 1) - 1)
+    scale = _scales(rows, qmax)
+    return torch.clamp(torch.round(rows * (1.0 / scale.float())[:, None]), -qmax, qmax), scale
+
+
+def int_round_trip(rows: torch.Tensor, k: int) -> torch.Tensor:
+    """What INT-K storage gives back for rows [N, d_v] float32 (`quantize_rows` without packing the codes)."""
+    q, scale = _int_codes(rows, k)
+    return q * scale.float()[:, None]
+
+
 def encode_rows(rows: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
     """rows [N, d_v] float32 -> stored parts."""
     if fmt in _FLOATS:
@@ -94,9 +107,8 @@ def encode_rows(rows: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
         x = torch.clamp(rows * (1.0 / scale.float())[:, None], -FP8_MAX, FP8_MAX)
         return {"codes": x.to(torch.float8_e4m3fn).view(torch.uint8).contiguous(), "scales": scale}
     k = int_bits(fmt)
+    q, scale = _int_codes(rows, k)
     qmax = float(2 ** (k - 1) - 1)
-    scale = _scales(rows, qmax)
-    q = torch.clamp(torch.round(rows * (1.0 / scale.float())[:, None]), -qmax, qmax)
     if k == 8:
         return {"codes": q.to(torch.int8).contiguous(), "scales": scale}
     return {"codes": pack_codes(q.to(torch.int32) + int(qmax), k), "scales": scale}
@@ -137,27 +149,49 @@ class StoredState:
 
 @dataclass
 class StateScheme:
-    """Per layer, a boolean [heads, d_k] mask of the channels stored in `high`; the rest are stored in `low`."""
+    """Which format each channel is stored in, per layer.
+
+    Two ways to say it: `masks` (layer -> bool [heads * d_k], the channels stored in `high`; the rest in `low`),
+    or `row_formats` (layer -> one format name per row, e.g. DAMP's water-filled int2..int16 allocation). A layer
+    named in neither is stored wholly in `low`. Rows of one format in a layer are stored together, as one group.
+    """
 
     shape: StateShape
     low: str
     high: str = "fp16"
     masks: dict[int, torch.Tensor] = field(default_factory=dict)  # layer index -> bool [heads * d_k]
+    row_formats: dict[int, list[str]] = field(default_factory=dict)  # layer index -> [heads * d_k] format names
 
     def __post_init__(self) -> None:
         check_format(self.low)
         check_format(self.high)
-        self._index: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        rows = self.shape.heads * self.shape.d_k
+        self._groups: dict[int, list[tuple[str, str, torch.Tensor]]] = {}
         for layer, mask in self.masks.items():
             flat = torch.as_tensor(mask, dtype=torch.bool).reshape(-1)
-            self._index[layer] = (torch.nonzero(flat).reshape(-1), torch.nonzero(~flat).reshape(-1))
+            self._groups[layer] = [("high", self.high, torch.nonzero(flat).reshape(-1)),
+                                   ("low", self.low, torch.nonzero(~flat).reshape(-1))]
+        for layer, fmts in self.row_formats.items():
+            if layer in self._groups:
+                raise AccelError(f"layer {layer}: a state scheme takes a mask or row formats, not both")
+            if len(fmts) != rows:
+                raise AccelError(f"layer {layer}: {len(fmts)} row formats for {rows} rows")
+            names = np.asarray([check_format(str(f)) for f in fmts])
+            self._groups[layer] = [(fmt, fmt, torch.from_numpy(np.nonzero(names == fmt)[0]))
+                                   for fmt in sorted(set(names.tolist()), key=lambda f: (row_bits(f, 1), f))]
+
+    def groups(self, layer: int) -> list[tuple[str, str, torch.Tensor]]:
+        """(tag, format, row indices into the layer's heads * d_k rows) of each stored group."""
+        if layer not in self._groups:
+            self._groups[layer] = [("low", self.low, torch.arange(self.shape.heads * self.shape.d_k))]
+        return self._groups[layer]
 
     def split(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(high row indices, low row indices) into the layer's heads * d_k rows."""
-        if layer not in self._index:
-            rows = self.shape.heads * self.shape.d_k
-            self._index[layer] = (torch.zeros(0, dtype=torch.long), torch.arange(rows))
-        return self._index[layer]
+        """(high row indices, low row indices) of a two-tier scheme."""
+        groups = {tag: idx for tag, _, idx in self.groups(layer)}
+        if set(groups) - {"high", "low"}:
+            raise AccelError(f"layer {layer}: the scheme stores more than two tiers")
+        return groups.get("high", torch.zeros(0, dtype=torch.long)), groups.get("low", torch.zeros(0, dtype=torch.long))
 
     def store(self, layer: int, state: torch.Tensor) -> StoredState:
         b, h, dk, dv = state.shape
@@ -165,32 +199,29 @@ class StateScheme:
             raise AccelError(f"layer {layer}: state of {h}x{dk}x{dv}, the scheme is for "
                              f"{self.shape.heads}x{self.shape.d_k}x{self.shape.d_v}")
         rows = state.detach().to(torch.float32).reshape(b, h * dk, dv)
-        hi, lo = self.split(layer)
         parts = {}
-        if hi.numel():
-            for key, t in encode_rows(rows[:, hi].reshape(-1, dv), self.high).items():
-                parts[f"high.{key}"] = t
-        if lo.numel():
-            for key, t in encode_rows(rows[:, lo].reshape(-1, dv), self.low).items():
-                parts[f"low.{key}"] = t
+        for tag, fmt, idx in self.groups(layer):
+            if idx.numel():
+                for key, t in encode_rows(rows[:, idx].reshape(-1, dv), fmt).items():
+                    parts[f"{tag}.{key}"] = t
         return StoredState(b, parts)
 
     def load(self, layer: int, stored: StoredState) -> torch.Tensor:
         s = self.shape
         b = stored.batch
-        hi, lo = self.split(layer)
         rows = torch.empty(b, s.heads * s.d_k, s.d_v, dtype=torch.float32)
-        for idx, fmt, group in ((hi, self.high, "high."), (lo, self.low, "low.")):
+        for tag, fmt, idx in self.groups(layer):
             if idx.numel():
+                group = tag + "."
                 parts = {k[len(group):]: t for k, t in stored.parts.items() if k.startswith(group)}
                 rows[:, idx] = decode_rows(parts, fmt, b * idx.numel(), s.d_v).reshape(b, idx.numel(), s.d_v)
         return rows.reshape(b, s.heads, s.d_k, s.d_v)
 
     def bits_per_value(self) -> float:
         """Expected bits per value at batch 1 (the cache measures the real figure)."""
-        hi = sum(int(m.sum()) for m in self.masks.values())
-        total = self.shape.channels
-        return (hi * row_bits(self.high, self.shape.d_v) + (total - hi) * row_bits(self.low, self.shape.d_v)) / total
+        s = self.shape
+        total = sum(idx.numel() * row_bits(fmt, s.d_v) for li in s.layers for _, fmt, idx in self.groups(li))
+        return total / s.channels
 
 
 class QuantizedStateCache(DynamicCache):
