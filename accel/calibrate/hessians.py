@@ -1,6 +1,7 @@
 """Layer-input Hessians H = E[x xᵀ] of every quantizable linear layer, recorded on real text.
 
-Layers that read the same input (q/k/v, gate/up) share one matrix; the calibration directory stores it once.
+Layers that read the same input (q/k/v, gate/up) share one matrix; the calibration directory stores it once. The
+token windows they were recorded on are stored too (`windows`), for `accel quantize --tune-steps`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from accel.progress import SILENT, Progress
 from accel.quantize.methods import is_quantizable
 
 HESSIAN_DIR = "weights"
+WINDOWS = "windows"  # the calibration token ids [n, seq_len], stored as float32 (exact below 2^24)
 
 
 @torch.inference_mode()
@@ -69,6 +71,8 @@ def record_hessians(ctx: CalibContext) -> dict[str, Any]:
     hessians, key_of = collect_hessians(ctx.loaded.model, ctx.windows, ctx.progress)
     encoded = [encode_tensor(k, h.astype(np.float32), "raw", role="data", dtype="float32")
                for k, h in hessians.items()]
+    if ctx.windows.size and int(ctx.windows.max()) < 1 << 24:
+        encoded.append(encode_tensor(WINDOWS, ctx.windows.astype(np.float32), "raw", role="data", dtype="float32"))
     write_weights(ctx.out_dir, encoded, extra={"hessians": key_of, "tokens": int(ctx.windows.size)})
     return {"hessians": len(hessians), "layers": len(key_of)}
 
@@ -83,6 +87,13 @@ class HessianStore:
         self.artifact = Artifact(path)
         self.key_of: dict[str, str] = self.artifact.extra.get("hessians", {})
         self._last: tuple[str, np.ndarray] | None = None  # q/k/v and gate/up ask for the same matrix in a row
+
+    def windows(self) -> np.ndarray:
+        """The token windows the Hessians were recorded on, [n, seq_len] int64."""
+        if WINDOWS not in self.artifact.names:
+            raise AccelError("--calib holds no token windows (recorded by an older accel): run "
+                             "`accel calibrate --for weights` again to use --tune-steps")
+        return self.artifact.decode(WINDOWS).astype(np.int64)
 
     def get(self, weight_name: str, in_features: int) -> np.ndarray:
         key = self.key_of.get(weight_name)

@@ -20,6 +20,8 @@ def register(app: typer.Typer) -> None:
         layout: str = typer.Option(None, "--layout", help="Code layout: packed, base, planes, onehot."),
         kv: str = typer.Option(None, "--kv", help="semkv[:auto|LLO/LHI@FRAC] KV-cache precision map."),
         state: str = typer.Option(None, "--state", help="damp[:BITS] recurrent-state channel map."),
+        tune_steps: int = typer.Option(0, "--tune-steps", help="leechN: refit the fp16 row scales by KL to the "
+                                       "source model on the calibration windows, this many steps (docs/leech.md)."),
         seed: int = typer.Option(0, "--seed", help="Seed for every randomized step."),
         jobs: int = typer.Option(None, "--jobs", help="Worker processes for heavy methods (default: one per core)."),
         force: bool = typer.Option(False, "--force", help="Replace an existing --out."),
@@ -29,7 +31,8 @@ def register(app: typer.Typer) -> None:
         from accel.quantize.pipeline import QuantizeSettings, quantize_model
 
         settings = QuantizeSettings(weights=weights, group=group, layout=layout, seed=seed,
-                                    calib=str(calib) if calib else None, kv=kv, state=state)
+                                    calib=str(calib) if calib else None, kv=kv, state=state,
+                                    tune_steps=tune_steps)
         report = quantize_model(model, out, settings, force=force, progress=BarProgress(), jobs=jobs)
         if json_out:
             emit_json(report)

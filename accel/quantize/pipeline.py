@@ -35,6 +35,7 @@ class QuantizeSettings:
     calib: str | None = None
     kv: str | None = None  # --kv METHOD[:ARG] (accel.quantize.maps)
     state: str | None = None  # --state METHOD[:ARG]
+    tune_steps: int = 0  # --tune-steps: leech row scales refit by KL on the calibration windows (leech_tune)
     max_shard_bytes: int = 2 * 1024**3
 
 
@@ -54,6 +55,11 @@ def _check_settings(settings: QuantizeSettings) -> None:
             parse_spec(kind, getattr(settings, kind))
     if settings.group < 1:
         raise AccelError(f"--group must be positive, got {settings.group}")
+    if settings.tune_steps < 0:
+        raise AccelError(f"--tune-steps must be 0 or more, got {settings.tune_steps}")
+    if settings.tune_steps and (settings.weights is None or not settings.weights.startswith("leech")
+                                or settings.calib is None):
+        raise AccelError("--tune-steps tunes Leech row scales: it needs --weights leech2|3|4 and --calib")
     if settings.weights is None:
         return
     method = get_weight_method(settings.weights)
@@ -132,6 +138,13 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
             encoded = [results[name] for name in names]
             del results
             progress.close()
+            tuned = None
+            if settings.tune_steps:
+                from accel.quantize.leech_tune import tune_leech_scales
+
+                tuned = tune_leech_scales(dict(source.config), {n: source.load_tensor(n) for n in names}, encoded,
+                                          hessians.windows(), settings.tune_steps, seed=settings.seed,
+                                          progress=progress)
             maps_doc = {}
             for kind, stored in maps.items():
                 maps_doc[kind], map_tensors = encode_map(stored)
@@ -169,4 +182,5 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
         "maps": {kind: m.method for kind, m in maps.items()},
         "tensors": len(summary),
         "quantized_tensors": sum(1 for s in summary.values() if s["role"] == "quantized"),
+        **({"tune": tuned} if tuned is not None else {}),
     }
