@@ -53,7 +53,7 @@ def main() -> int:
     started = time.perf_counter()
     calib = ensure_calibration(work, args)
     out = work / args.arm
-    quantize_model(MODEL, out, QuantizeSettings(weights=args.arm, calib=str(calib)), force=True)
+    quantize_model(MODEL, out, QuantizeSettings(weights=args.arm, calib=str(calib)), force=True, jobs=args.jobs)
     art = Artifact(out)
     decoded = load_decoded_tensors(art)
     quantized = {n for n in art.names if art.entry(n).role == "quantized"}

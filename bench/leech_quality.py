@@ -1,7 +1,9 @@
 """Quality of weight quantizers on SmolLM2-135M: ppl, paired ΔNLL (bootstrap 95% CI) and exact bits/weight per arm.
 
 Calibration uses the second half of the pydoc corpus, evaluation the first half, so no window is seen twice.
-Usage: python bench/leech_quality.py [--quick] [--json] [--arms a,b,...] [--windows N] [--seq-len L]
+With --tune-steps N the leech arms are quantized with `accel quantize --tune-steps N` (row scales refit by KL to
+fp32 on the calibration windows; docs/leech.md).
+Usage: python bench/leech_quality.py [--quick] [--json] [--arms a,b,...] [--windows N] [--seq-len L] [--tune-steps N]
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     add_arguments(ap)
     ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--tune-steps", type=int, default=0, help="leech arms: accel quantize --tune-steps N")
     args = ap.parse_args()
     arms = [a for a in args.arms.split(",") if a]
     work, eval_text = prepare(args, "leech_quality.")
@@ -46,8 +49,9 @@ def main() -> int:
             continue
         out = work / arm
         method = get_weight_method(arm)
-        settings = QuantizeSettings(weights=arm, group=64, calib=str(calib) if method.uses_calibration else None)
-        report = quantize_model(MODEL, out, settings, force=True)
+        settings = QuantizeSettings(weights=arm, group=64, calib=str(calib) if method.uses_calibration else None,
+                                    tune_steps=args.tune_steps if arm.startswith("leech") else 0)
+        report = quantize_model(MODEL, out, settings, force=True, jobs=args.jobs)
         loaded = load_causal_lm(out)
         nll = window_nll(loaded.model, windows)
         del loaded
@@ -55,10 +59,12 @@ def main() -> int:
         rows.append({"arm": arm, "bits_per_weight": report["bits_per_weight"], "ppl": nll.ppl,
                      "delta_nll": delta.mean, "delta_nll_ci": [delta.low, delta.high],
                      "quantize_s": report["seconds"]})
-        print(f"{arm}: done", file=sys.stderr)
+        print(f"{arm}: {report['bits_per_weight']:.4f} bits/w, ppl {nll.ppl:.3f} ({nll.ppl / ref_nll.ppl:.4f}x), "
+              f"ΔNLL {delta.mean:+.4f} [{delta.low:+.4f}, {delta.high:+.4f}], {report['seconds']:.0f} s",
+              file=sys.stderr, flush=True)
 
     print(f"SmolLM2-135M, pydoc first half, {len(windows)} windows x {args.seq_len} tokens; calibration on the "
-          f"second half ({args.calib_samples} windows)")
+          f"second half ({args.calib_samples} windows); leech --tune-steps {args.tune_steps}")
     print(f"{'arm':8} {'bits/w':>8} {'ppl':>10} {'ppl/fp32':>9} {'ΔNLL':>9} {'95% CI':>21} {'quant s':>8}")
     for r in rows:
         lo, hi = r["delta_nll_ci"]
@@ -66,7 +72,7 @@ def main() -> int:
               f"{r['delta_nll']:+9.4f} [{lo:+8.4f}, {hi:+8.4f}] {r['quantize_s']:8.1f}")
     if args.json:
         print(json.dumps({"benchmark": "leech_quality", "windows": len(windows), "seq_len": args.seq_len,
-                          "rows": rows}, default=float))
+                          "tune_steps": args.tune_steps, "rows": rows}, default=float))
     return 0
 
 

@@ -24,6 +24,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--calib-samples", type=int, default=64)
     ap.add_argument("--workdir", type=Path, default=None,
                     help="keep outputs here (default: a temporary dir); an existing calib/ is reused")
+    ap.add_argument("--jobs", type=int, default=None, help="accel quantize worker processes (default: one per core)")
 
 
 def prepare(args: argparse.Namespace, prefix: str) -> tuple[Path, str]:
@@ -39,12 +40,18 @@ def prepare(args: argparse.Namespace, prefix: str) -> tuple[Path, str]:
     return work, text[:half]
 
 
+def _has_windows(calib: Path) -> bool:
+    from accel.calibrate.hessians import WINDOWS, HessianStore
+
+    return WINDOWS in HessianStore(calib).artifact.names
+
+
 def ensure_calibration(work: Path, args: argparse.Namespace) -> Path:
-    """work/calib, calibrated for weights on the second half unless it is already there."""
+    """work/calib, calibrated for weights on the second half unless it is already there (with its windows)."""
     calib = work / "calib"
-    if not calib.exists():
+    if not calib.exists() or not _has_windows(calib):
         started = time.perf_counter()
         calibrate(MODEL, work / "calib.txt", calib, ["weights"],
-                  CalibSettings(samples=args.calib_samples, seq_len=args.seq_len))
+                  CalibSettings(samples=args.calib_samples, seq_len=args.seq_len), force=True)
         print(f"calibration: {time.perf_counter() - started:.0f} s", file=sys.stderr)
     return calib
