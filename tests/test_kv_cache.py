@@ -11,7 +11,7 @@ from accel.eval.load import load_causal_lm
 from accel.eval.perplexity import decode_nll, window_nll
 from accel.formats.bitpack import base_levels_nbytes
 from accel.quantize import kv_affine
-from accel.runtime.kv_cache import KVScheme, PackedKVCache, simulate
+from accel.runtime.kv_cache import KVScheme, PackedKVCache, rope_rotate, rope_theta_of, simulate
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +42,23 @@ SCHEMES = {
     "turbo-4/5-window": {"base": "turbo", "levels": (4, 5), "window": 5, "indicator": "value_norm"},
     "affine-5": {"base": "affine", "levels": (5, 5), "key_block": 8, "value_group": 4},
     "affine-3/4-window": {"base": "affine", "levels": (3, 4), "key_block": 16, "value_group": 10, "window": 7},
+    "affine-4/5-sink-prerope": {"base": "affine", "levels": (4, 5), "key_block": 16, "value_group": 10, "sink": 3,
+                                "rope": True},
+    "turbo-3/4-sink-prerope-smooth": {"base": "turbo", "levels": (3, 4), "window": 2, "sink": 2, "rope": True,
+                                      "smooth": True},
 }
 
 
 def _scheme(model, windows, name):
     kwargs = dict(SCHEMES[name])
+    if kwargs.pop("rope", False):
+        kwargs["rope_theta"] = rope_theta_of(model.config)
+    if kwargs.pop("smooth", False):  # arbitrary positive channel means and scales, one per layer
+        rng = np.random.default_rng(5)
+        shape = (2, model.config.num_key_value_heads, model.config.head_dim)
+        kwargs["key_mean"] = rng.standard_normal(shape).astype(np.float32)
+        kwargs["value_mean"] = rng.standard_normal(shape).astype(np.float32) * 0.1
+        kwargs["key_scale"] = np.exp(rng.standard_normal(shape)).astype(np.float32)
     if kwargs["levels"][0] != kwargs["levels"][1]:
         kwargs["thresholds"] = _median_thresholds(model, windows, kwargs.get("indicator", "key_norm"))
     return KVScheme(**kwargs)
@@ -64,7 +76,8 @@ def test_simulation_equals_token_by_token_decoding(tiny, name):
         assert 0.2 < record.high.sum() / record.tokens.sum() < 0.8
 
 
-@pytest.mark.parametrize("name", ["turbo-4/5-window", "affine-3/4-window"])
+@pytest.mark.parametrize("name", ["turbo-4/5-window", "affine-3/4-window", "affine-4/5-sink-prerope",
+                                  "turbo-3/4-sink-prerope-smooth"])
 def test_served_keys_and_values_are_what_the_stored_bytes_decode_to(tiny, name):
     model, windows = tiny
     scheme = _scheme(model, windows, name)
@@ -155,3 +168,59 @@ def test_generation_runs_through_the_cache(tiny):
     out = model.generate(ids, cache=cache, max_new_tokens=6, do_sample=False)
     assert out.shape == (1, 18) and cache.get_seq_length() == 17
     assert cache.stored_bytes()["codes"] > 0
+
+
+def test_pre_rope_rotation_is_transformers_rope_and_its_exact_inverse(tiny):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    model, _ = tiny
+    theta = rope_theta_of(model.config)
+    assert theta == model.config.rope_parameters["rope_theta"]
+    x = torch.randn(1, 2, 300, model.config.head_dim, generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(300)[None]
+    cos, sin = model.model.rotary_emb(x, positions)
+    _, expected = apply_rotary_pos_emb(x, x, cos, sin)
+    mine = rope_rotate(x[0].transpose(0, 1).numpy(), np.arange(300), theta)
+    np.testing.assert_array_equal(mine, expected[0].transpose(0, 1).numpy())
+    back = rope_rotate(mine, np.arange(300), theta, inverse=True)
+    np.testing.assert_allclose(back, x[0].transpose(0, 1).numpy(), atol=2e-6)
+    assert rope_theta_of({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}) is None
+    assert rope_theta_of({"rope_theta": 5e5, "partial_rotary_factor": 0.5}) is None
+    assert rope_theta_of({"rope_theta": 5e5}) == 5e5
+
+
+def test_sink_tokens_stay_fp16_and_are_counted():
+    rng = np.random.default_rng(2)
+    heads, dim, tokens = 3, 64, 75
+    k = torch.from_numpy(rng.standard_normal((1, heads, tokens, dim)).astype(np.float32)).half().float()
+    v = torch.from_numpy(rng.standard_normal((1, heads, tokens, dim)).astype(np.float32)).half().float()
+    plain = PackedKVCache(KVScheme("turbo", (5, 5)), 1)
+    sunk = PackedKVCache(KVScheme("turbo", (5, 5), sink=4), 1)
+    plain.update(k, v, 0)
+    sunk.update(k, v, 0)
+    torch.testing.assert_close(sunk.layers[0].keys[:, :, :4], k[:, :, :4], rtol=0, atol=0)
+    torch.testing.assert_close(sunk.layers[0].values[:, :, :4], v[:, :, :4], rtol=0, atol=0)
+    torch.testing.assert_close(sunk.layers[0].keys[:, :, 4:], plain.layers[0].keys[:, :, 4:], rtol=0, atol=0)
+    per_token_coded = 2 * (base_levels_nbytes(heads * dim, 5) + 2 * heads)
+    assert sunk.stored_bytes()["fp16"] == 4 * 2 * heads * dim * 2
+    assert sunk.stored_bytes()["total"] == (tokens - 4) * per_token_coded + 4 * 2 * heads * dim * 2
+    affine = PackedKVCache(KVScheme("affine", (5, 5), key_block=32, sink=4), 1)
+    affine.update(k, v, 0)  # key blocks start after the sink: tokens 4..35 and 36..67 closed, 68..74 open
+    b = base_levels_nbytes(heads * dim, 5)
+    assert affine.stored_bytes()["codes"] == (64 + tokens - 4) * b
+    assert affine.stored_bytes()["fp16"] == (4 + 7) * heads * dim * 2 + 4 * heads * dim * 2
+
+
+def test_pre_rope_keys_fit_per_channel_ranges_better():
+    """Keys with a constant per-channel offset before RoPE: coded pre-RoPE their per-channel ranges are narrow."""
+    rng = np.random.default_rng(3)
+    heads, dim, tokens = 2, 32, 64
+    pre = (rng.standard_normal((tokens, heads, dim)) * 0.2 + rng.standard_normal((1, heads, dim)) * 4)
+    post = rope_rotate(pre.astype(np.float32), np.arange(tokens), 10000.0)
+    post16 = torch.from_numpy(np.ascontiguousarray(post.transpose(1, 0, 2)))[None].half().float()
+    errors = {}
+    for theta in (0.0, 10000.0):
+        cache = PackedKVCache(KVScheme("affine", (5, 5), key_block=32, rope_theta=theta), 1)
+        cache.update(post16, post16, 0)
+        errors[theta] = float((cache.layers[0].keys - post16).abs().mean())
+    assert errors[10000.0] < 0.5 * errors[0.0]

@@ -78,6 +78,9 @@ def test_calibration_writes_the_sweep_cliff_indicators_and_plot(kv_calib):
     assert "key_norm~acc_attention" in full["stability"]["agreement_top25_jaccard"]
     assert full["runtime_indicator"] in ("key_norm", "value_norm")
     assert "| affine-3 |" in (out / "kv" / "sweep.md").read_text()
+    for base in ("affine", "turbo"):  # the sweep runs with a sink token and pre-RoPE keys
+        assert full["options"][base]["sink"] == 1 and full["options"][base]["pre_rope"] == 1
+    assert full["smoothed"] == {"affine": False, "turbo": True}
     manifest = json.loads((out / "calibration.json").read_text())
     assert manifest["for"] == ["kv"] and manifest["reports"]["kv"]["cliff"] == full["cliff"]
 
@@ -92,7 +95,8 @@ def test_semkv_map_round_trips_and_eval_reports_kv_bytes(kv_calib, tiny_llama, t
     assert (p["base"], p["levels"], p["frac"], p["seed"]) == ("turbo", [3, 4], 0.25, 7)
     assert p["indicator"] in ("key_norm", "value_norm") and (p["layers"], p["kv_heads"], p["head_dim"]) == (2, 2, 10)
     assert stored.arrays["thresholds"].shape == (2,) and stored.arrays["codebook_high"].shape == (4,)
-    assert stored.arrays["key_mean"].shape == (2, 2, 10)
+    assert stored.arrays["key_mean"].shape == (2, 2, 10) and stored.arrays["key_scale"].shape == (2, 2, 10)
+    assert (p["sink"], p["pre_rope"]) == (1, 1) and p["rope_theta"] == 10000.0
     result = evaluate(out, EvalSettings(data=text_file, windows=3, seq_len=40, reference=str(tiny_llama)))
     fp16 = 2 * 2 * 2 * 2 * 10
     assert result["kv_fp16_bytes_per_token"] == fp16
@@ -165,11 +169,45 @@ def _map(**changes):
     ({"indicator": "acc_attention"}, "not one the cache can compute"),
     ({"frac": 2.0}, "frac must lie in"),
     ({"window": -1}, "window must be a non-negative"),
+    ({"sink": -2}, "sink must be a non-negative"),
+    ({"pre_rope": 2}, "pre_rope must be 0 or 1"),
+    ({"pre_rope": 1}, "rope_theta None is not the model's"),
+    ({"pre_rope": 1, "rope_theta": 500000.0}, "rope_theta 500000.0 is not the model's"),
 ])
 def test_bad_maps_are_refused(changes, message):
     check_kv_map(_map(), CONFIG)
     with pytest.raises(AccelError, match=message):
         check_kv_map(_map(**changes), CONFIG)
+
+
+def test_sink_pre_rope_and_key_scale_round_trip_into_the_scheme():
+    from accel.quantize.semkv import scheme_of
+
+    params = make_params("turbo", (4, 5), 0.5, "key_norm", 0, CONFIG, sink=2, pre_rope=1)
+    assert (params["sink"], params["pre_rope"], params["rope_theta"]) == (2, 1, 10000.0)
+    scale = np.full((2, 2, 10), 0.5, np.float32)
+    stored = StoredMap("kv", "semkv", params, {**make_arrays(params, np.zeros(2)), "key_scale": scale})
+    check_kv_map(stored, CONFIG)
+    scheme = scheme_of(stored)
+    assert (scheme.sink, scheme.rope_theta) == (2, 10000.0) and scheme.key_scale is scale
+    old = {k: v for k, v in make_params("turbo", (4, 5), 0.5, "key_norm", 0, CONFIG).items()
+           if k not in ("sink", "pre_rope")}  # a map written before these options existed
+    check_kv_map(StoredMap("kv", "semkv", old, make_arrays(old, np.zeros(2))), CONFIG)
+    assert scheme_of(StoredMap("kv", "semkv", old, {})).sink == 0
+    for bad, message in ((np.zeros((2, 2, 10), np.float32), "finite and positive"),
+                         (np.ones((2, 2, 8), np.float32), "key_scale is \\[2, 2, 8\\]")):
+        stored.arrays["key_scale"] = bad
+        with pytest.raises(AccelError, match=message):
+            check_kv_map(stored, CONFIG)
+    affine = make_params("affine", (4, 5), 0.5, "key_norm", 0, CONFIG)
+    with pytest.raises(AccelError, match="only the turbo base"):
+        check_kv_map(StoredMap("kv", "semkv", affine, {"thresholds": np.zeros(2, np.float32), "key_scale": scale}),
+                     CONFIG)
+    scaled = {**CONFIG, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}
+    with pytest.raises(AccelError, match="plain"):
+        make_params("affine", (4, 5), 0.5, "key_norm", 0, scaled, pre_rope=1)
+    with pytest.raises(AccelError, match="plain RoPE"):
+        check_kv_map(StoredMap("kv", "semkv", params, make_arrays(params, np.zeros(2))), scaled)
 
 
 def test_thresholds_must_be_one_per_layer():

@@ -42,6 +42,8 @@ from accel.runtime.kv_cache import (
     PackedKVCache,
     fp16_bytes_per_token,
     model_kv_shape,
+    rope_rotate,
+    rope_theta_of,
     simulate,
     token_score,
 )
@@ -52,8 +54,14 @@ EXTRA_LEVELS = (24, 32)  # beyond the 3..16 grid, to locate a cliff above it
 FRACTIONS = (0.25, 0.5, 0.75)
 QUANTILES = 1000
 INDICATORS = ("key_norm", "value_norm", "acc_attention", "obs_attention", "attention_x_value_norm")
-BASE_OPTIONS = {"affine": {"key_block": 32, "value_group": 64, "window": 0, "center": False},
-                "turbo": {"key_block": 1, "value_group": 64, "window": 0, "center": True}}
+# Per base: the map options every arm of the sweep uses (`sink`: first tokens kept in fp16; `pre_rope`: keys
+# coded before RoPE, where the model has plain RoPE), and whether the per-token base is centered by the
+# calibrated channel means and smoothed by the calibrated key scales.
+BASE_OPTIONS = {"affine": {"key_block": 32, "value_group": 64, "window": 0, "sink": 1, "pre_rope": 1,
+                           "center": False, "smooth": False},
+                "turbo": {"key_block": 1, "value_group": 64, "window": 0, "sink": 1, "pre_rope": 1,
+                          "center": True, "smooth": True}}
+MAP_OPTIONS = ("key_block", "value_group", "window", "sink", "pre_rope")
 BYTES_WINDOWS = 4  # windows whose keys and values fill a real cache to measure the bytes of a mixed arm
 
 
@@ -66,8 +74,10 @@ def code_bits(levels: int) -> float:
 class KVRecorder:
     """Observer for `simulate`: indicators, channel sums, or the keys and values that fill a cache."""
 
-    def __init__(self, layers: int, obs_window: int, indicators: bool, keep: int = 0):
+    def __init__(self, layers: int, obs_window: int, indicators: bool, keep: int = 0, rope_theta: float = 0.0,
+                 skip: int = 0):
         self.layers, self.obs_window, self.indicators, self.keep = layers, obs_window, indicators, keep
+        self.rope_theta, self.skip = rope_theta, skip  # channel statistics leave out the first `skip` tokens
         self.scores: dict[str, list[list[np.ndarray]]] = {name: [[] for _ in range(layers)] for name in INDICATORS}
         self.sums: dict[str, np.ndarray] = {}
         self.count = 0
@@ -84,11 +94,19 @@ class KVRecorder:
             self.kept[-1][layer] = (kn, vn)
         if not self.indicators:
             return
-        for name, x in (("key", kn), ("value", vn)):
+        kept = slice(self.skip, None)
+        stats = [("key", kn[kept]), ("value", vn[kept])]
+        stats.append(("key_sq", kn[kept].astype(np.float64) ** 2))
+        if self.rope_theta:
+            pre = rope_rotate(kn, np.arange(kn.shape[0]), self.rope_theta, inverse=True)[kept].astype(np.float64)
+            stats += [("key_pre", pre), ("key_pre_sq", pre**2)]
+        qn = q.double().numpy()[:, kept]  # [Hq, T, d] -> per KV head, summed over its query heads
+        stats.append(("query_sq", (qn**2).sum(axis=1).reshape(k.shape[1], -1, qn.shape[-1]).sum(axis=1)[None]))
+        for name, x in stats:
             self.sums.setdefault(name, np.zeros((self.layers, *x.shape[1:])))
             self.sums[name][layer] += x.sum(axis=0)
         if layer == 0:
-            self.count += kn.shape[0]
+            self.count += kn[kept].shape[0]
         length = kn.shape[0]
         groups = q.shape[0] // k.shape[1]
         keys = k.transpose(0, 1).repeat_interleave(groups, 0)  # [Hq, T, d]
@@ -160,14 +178,47 @@ def indicator_stability(scores: dict[str, np.ndarray], buckets: int = 8) -> dict
     return out
 
 
+def channel_statistics(sums: dict[str, np.ndarray], count: int) -> dict[str, np.ndarray]:
+    """Channel means of keys (as received and pre-RoPE) and values, and the smoothing scales of the keys.
+
+    The scale of a key channel is (E[(k - mean)^2] / E[q^2])^(1/4), both shared by the two channels of a RoPE
+    pair (so it commutes with the rotation), normalized to geometric mean 1 per head. Per-token coding after a
+    random rotation spreads its error evenly over the coded channels; dividing by s first puts error ∝ s^2 on
+    channel j, and E[(q·e)^2] ∝ sum_j E[q_j^2] s_j^2 · sum_j var_j / s_j^2 is smallest at s_j^4 ∝ var_j / E[q_j^2]
+    (Cauchy-Schwarz): more error where queries are small, less where they are large.
+    """
+    out = {name: (sums[name] / count).astype(np.float32) for name in ("key", "value", "key_pre") if name in sums}
+    query = sums["query_sq"] / count
+    for name, key in (("key_scale", "key"), ("key_scale_pre", "key_pre")):
+        if key not in sums:
+            continue
+        var = np.maximum(sums[f"{key}_sq"] / count - (sums[key] / count) ** 2, 0.0)
+        half = var.shape[-1] // 2
+        var_pair = np.concatenate([(var[..., :half] + var[..., half:]) / 2] * 2, axis=-1)
+        q_pair = np.concatenate([(query[..., :half] + query[..., half:]) / 2] * 2, axis=-1)
+        tiny = 1e-12 * max(float(var_pair.max()), 1e-30)
+        scale = ((var_pair + tiny) / (q_pair + 1e-12 * max(float(q_pair.max()), 1e-30))) ** 0.25
+        out[name] = (scale / np.exp(np.log(scale).mean(axis=-1, keepdims=True))).astype(np.float32)
+    return out
+
+
+def base_options(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """BASE_OPTIONS for one model: pre-RoPE key coding only where the model uses plain RoPE."""
+    plain_rope = rope_theta_of(config) is not None
+    return {b: {**o, "pre_rope": int(o["pre_rope"] and plain_rope)} for b, o in BASE_OPTIONS.items()}
+
+
 def scheme_for(base: str, levels: tuple[int, int], thresholds: np.ndarray | None, indicator: str,
-               means: dict[str, np.ndarray], seed: int) -> KVScheme:
-    opts = BASE_OPTIONS[base]
-    center = opts["center"]
+               means: dict[str, np.ndarray], seed: int, options: dict[str, Any], rope_theta: float) -> KVScheme:
+    opts = options[base]
+    pre = bool(opts["pre_rope"])
+    center, smooth = opts["center"], opts["smooth"]
     return KVScheme(base=base, levels=levels, thresholds=None if thresholds is None else tuple(map(float, thresholds)),
                     indicator=indicator, seed=seed, key_block=opts["key_block"], value_group=opts["value_group"],
-                    window=opts["window"], key_mean=means["key"] if center else None,
-                    value_mean=means["value"] if center else None)
+                    window=opts["window"], sink=opts["sink"], rope_theta=rope_theta if pre else 0.0,
+                    key_mean=means["key_pre" if pre else "key"] if center else None,
+                    value_mean=means["value"] if center else None,
+                    key_scale=means["key_scale_pre" if pre else "key_scale"] if smooth else None)
 
 
 def measure_bytes(scheme: KVScheme, kept: list[dict[int, tuple[np.ndarray, np.ndarray]]], layers: int
@@ -233,13 +284,16 @@ def calibrate_kv(ctx: CalibContext) -> dict[str, Any]:
     seed = ctx.settings.seed
     length = windows.shape[1]
     levels = SWEEP_LEVELS + EXTRA_LEVELS
+    options = base_options(config)
+    theta = rope_theta_of(config) or 0.0
     progress.stage(f"kv: reference and indicators ({len(windows)} windows)", 2 * len(windows))
     ref = window_nll(model, windows, progress.advance).nll
-    recorder = KVRecorder(layers, max(1, min(32, length // 4)), indicators=True, keep=1)
+    recorder = KVRecorder(layers, max(1, min(32, length // 4)), indicators=True, keep=1, rope_theta=theta,
+                          skip=max(o["sink"] for o in options.values()))
     with simulate(model, None, observer=recorder):
         fp16_nll = window_nll(model, windows, progress.advance).nll
     progress.close()
-    means = {name: (total / recorder.count).astype(np.float32) for name, total in recorder.sums.items()}
+    means = channel_statistics(recorder.sums, recorder.count)
     scores = {name: recorder.stacked(name) for name in INDICATORS}
     quantiles = {name: np.quantile(scores[name].transpose(1, 0, 2).reshape(layers, -1),
                                    np.linspace(0, 1, QUANTILES + 1), axis=1).T for name in RUNTIME_INDICATORS}
@@ -250,7 +304,8 @@ def calibrate_kv(ctx: CalibContext) -> dict[str, Any]:
     progress.stage(f"kv: sweep L = {levels[0]}..{levels[-1]}, two bases", 2 * len(levels) * len(windows))
     for base in ("affine", "turbo"):
         for lv in levels:
-            rows.append(sweep.arm(f"{base}-{lv}", scheme_for(base, (lv, lv), None, "key_norm", means, seed), 1))
+            rows.append(sweep.arm(f"{base}-{lv}", scheme_for(base, (lv, lv), None, "key_norm", means, seed,
+                                                                 options, theta), 1))
     progress.close()
     cliffs = {base: find_cliff([r for r in rows if r["base"] == base]) for base in ("affine", "turbo")}
 
@@ -275,7 +330,7 @@ def calibrate_kv(ctx: CalibContext) -> dict[str, Any]:
     for i, (base, lohi, frac, indicator) in enumerate(planned):
         if indicator is None:
             indicator = runtime_indicator
-        scheme = scheme_for(base, lohi, thresholds(indicator, frac), indicator, means, seed)
+        scheme = scheme_for(base, lohi, thresholds(indicator, frac), indicator, means, seed, options, theta)
         name = f"{base}-{lohi[0]}/{lohi[1]}@{frac}" + (f":{indicator}" if i < len(RUNTIME_INDICATORS) else "")
         mixes.append({**sweep.arm(name, scheme, BYTES_WINDOWS), "frac": frac})
         if i == len(RUNTIME_INDICATORS) - 1:  # the probe is done: rank the rest with the better indicator
@@ -301,8 +356,9 @@ def calibrate_kv(ctx: CalibContext) -> dict[str, Any]:
     stability = indicator_stability(scores)
     report = {"margin": MARGIN, "model_shape": [layers, kv_heads, head_dim], "windows": len(windows),
               "seq_len": int(length), "fp16_bytes_per_token": fp16_bytes,
-              "options": {b: {k: v for k, v in o.items() if k != "center"} for b, o in BASE_OPTIONS.items()},
-              "centered": {b: o["center"] for b, o in BASE_OPTIONS.items()},
+              "options": {b: {k: int(o[k]) for k in MAP_OPTIONS} for b, o in options.items()},
+              "centered": {b: o["center"] for b, o in options.items()},
+              "smoothed": {b: o["smooth"] for b, o in options.items()},
               "fp16": {"delta_nll": fp16_delta.mean, "ci": [fp16_delta.low, fp16_delta.high]},
               "reference_nll": float(ref.mean()), "sweep": rows, "cliff": cliffs, "mixes": mixes,
               "runtime_indicator": runtime_indicator, "recommendations": recommendations,

@@ -11,10 +11,13 @@ land at LHI. `accel quantize --kv semkv[:SPEC] --calib C` writes it; SPEC is
     BASE:LLO/LHI@FRAC    explicit everything
 
 Map document (`maps.kv`): method `semkv` (or `affine`/`turbo` for uniform eval-time schemes), params `base`,
-`levels` [LLO, LHI], `frac`, `indicator`, `seed`, `key_block`, `value_group`, `window`, `layers`, `kv_heads`,
-`head_dim`; arrays `thresholds` (float32 [layers]); for turbo `codebook_low`/`codebook_high` (the Lloyd-Max
-centroids, float32, for an independent reader; checked against the solver on load) and, when calibrated,
-`key_mean`/`value_mean` ([layers, kv_heads, head_dim], subtracted before coding, added back). See docs/semkv.md.
+`levels` [LLO, LHI], `frac`, `indicator`, `seed`, `key_block`, `value_group`, `window`, `sink` (first tokens kept
+in fp16), `pre_rope` (0/1: keys coded before RoPE) with `rope_theta` (the model's, checked on load), `layers`,
+`kv_heads`, `head_dim`; arrays `thresholds` (float32 [layers]); for turbo `codebook_low`/`codebook_high` (the
+Lloyd-Max centroids, float32, for an independent reader; checked against the solver on load) and, when
+calibrated, `key_mean`/`value_mean` ([layers, kv_heads, head_dim], subtracted before coding, added back; the key
+mean is of pre-RoPE keys when `pre_rope`) and `key_scale` (same shape, > 0: centered keys are divided by it
+before coding, multiplied back on decode). See docs/semkv.md.
 """
 
 from __future__ import annotations
@@ -35,13 +38,15 @@ from accel.runtime.kv_cache import (
     PackedKVCache,
     fp16_bytes_per_token,
     model_kv_shape,
+    rope_theta_of,
 )
 
 KV_CALIB_DIR = "kv"
-DEFAULTS = {"affine": {"key_block": 32, "value_group": 64, "window": 0},
-            "turbo": {"key_block": 1, "value_group": 64, "window": 0},
-            "fp16": {"key_block": 1, "value_group": 64, "window": 0}}
-_OPTION_KEYS = ("key_block", "value_group", "window")
+_COMMON = {"value_group": 64, "window": 0, "sink": 0, "pre_rope": 0}
+DEFAULTS = {"affine": {"key_block": 32, **_COMMON}, "turbo": {"key_block": 1, **_COMMON},
+            "fp16": {"key_block": 1, **_COMMON}}
+_OPTION_KEYS = ("key_block", "value_group", "window", "sink", "pre_rope")
+_OPTIONAL_KEYS = {"sink": 0, "pre_rope": 0}  # absent from maps written before they existed
 
 
 def _parse_levels(text: str) -> tuple[int, int, float]:
@@ -74,9 +79,17 @@ def make_params(base: str, levels: tuple[int, int], frac: float, indicator: str,
                 config: dict[str, Any], **options: int) -> dict[str, Any]:
     layers, kv_heads, head_dim = model_kv_shape(config)
     opts = {**DEFAULTS[base], **options}
-    return {"base": base, "levels": [int(levels[0]), int(levels[1])], "frac": float(frac), "indicator": indicator,
-            "seed": int(seed), **{k: int(opts[k]) for k in _OPTION_KEYS}, "layers": layers, "kv_heads": kv_heads,
-            "head_dim": head_dim}
+    params = {"base": base, "levels": [int(levels[0]), int(levels[1])], "frac": float(frac), "indicator": indicator,
+              "seed": int(seed), **{k: int(opts[k]) for k in _OPTION_KEYS}, "layers": layers, "kv_heads": kv_heads,
+              "head_dim": head_dim}
+    if params["pre_rope"] not in (0, 1):
+        raise AccelError("the kv option pre_rope is 0 or 1")
+    if params["pre_rope"]:
+        theta = rope_theta_of(config)
+        if theta is None:
+            raise AccelError("pre_rope=1 needs a model with plain (default, full-head) RoPE; this one scales it")
+        params["rope_theta"] = theta
+    return params
 
 
 def make_arrays(params: dict[str, Any], thresholds: np.ndarray | None) -> dict[str, np.ndarray]:
@@ -110,19 +123,35 @@ def check_kv_map(stored: StoredMap, config: dict[str, Any]) -> None:
         raise AccelError(f"the kv map is for {want[0]} layers x {want[1]} KV heads x {want[2]} dims, the model has "
                          f"{layers} x {kv_heads} x {head_dim}: it was made for a different model")
     for key in _OPTION_KEYS:
-        if not isinstance(p.get(key), int) or p[key] < (0 if key == "window" else 1):
-            raise AccelError(f"the kv map's {key} must be a {'non-negative' if key == 'window' else 'positive'} "
-                             f"integer")
+        value = p.get(key, _OPTIONAL_KEYS.get(key))
+        positive = key in ("key_block", "value_group")
+        if not isinstance(value, int) or isinstance(value, bool) or value < (1 if positive else 0):
+            raise AccelError(f"the kv map's {key} must be a {'positive' if positive else 'non-negative'} integer")
+    if p.get("pre_rope", 0) not in (0, 1):
+        raise AccelError("the kv map's pre_rope must be 0 or 1")
+    if p.get("pre_rope", 0):
+        theta = rope_theta_of(config)
+        if theta is None:
+            raise AccelError("the kv map codes keys before RoPE (pre_rope) but the model does not use plain RoPE")
+        if not isinstance(p.get("rope_theta"), (int, float)) or float(p["rope_theta"]) != theta:
+            raise AccelError(f"the kv map's rope_theta {p.get('rope_theta')!r} is not the model's ({theta}): it was "
+                             f"made for a different model")
     if not isinstance(p.get("frac"), (int, float)) or not 0.0 <= p["frac"] <= 1.0:
         raise AccelError("the kv map's frac must lie in [0, 1]")
     thresholds = stored.arrays.get("thresholds")
     if lo != hi and (thresholds is None or thresholds.shape != (layers,) or np.isnan(thresholds).any()):
         raise AccelError(f"the kv map needs one threshold per layer ({layers}), none NaN")
-    for name in ("key_mean", "value_mean"):
+    for name in ("key_mean", "value_mean", "key_scale"):
         mean = stored.arrays.get(name)
         if mean is not None and mean.shape != (layers, kv_heads, head_dim):
             raise AccelError(f"the kv map's {name} is {list(mean.shape)}, the model needs "
                              f"{[layers, kv_heads, head_dim]}")
+    scale = stored.arrays.get("key_scale")
+    if scale is not None:
+        if base != "turbo":
+            raise AccelError("the kv map's key_scale smooths per-token key coding; only the turbo base takes it")
+        if not (np.isfinite(scale).all() and (scale > 0).all()):
+            raise AccelError("the kv map's key_scale must be finite and positive")
     if base == "turbo":
         from accel.quantize.turboquant import lloyd_max
 
@@ -140,8 +169,10 @@ def scheme_of(stored: StoredMap) -> KVScheme:
     return KVScheme(base=p["base"], levels=(lo, hi),
                     thresholds=None if thresholds is None or lo == hi else tuple(float(t) for t in thresholds),
                     indicator=p["indicator"], seed=p["seed"], key_block=p["key_block"],
-                    value_group=p["value_group"], window=p["window"], key_mean=stored.arrays.get("key_mean"),
-                    value_mean=stored.arrays.get("value_mean"))
+                    value_group=p["value_group"], window=p["window"], sink=p.get("sink", 0),
+                    rope_theta=float(p["rope_theta"]) if p.get("pre_rope", 0) else 0.0,
+                    key_mean=stored.arrays.get("key_mean"), value_mean=stored.arrays.get("value_mean"),
+                    key_scale=stored.arrays.get("key_scale"))
 
 
 class PackedKVRuntime(Runtime):
@@ -207,7 +238,8 @@ def _parse_options(text: str | None, flag: str) -> tuple[str | None, dict[str, i
 
 
 class _UniformMethod(_PackedMethod):
-    """`--kv affine:L` / `--kv turbo:L[,window=W,key_block=G,value_group=g]`: every token at L levels."""
+    """`--kv affine:L` / `--kv turbo:L[,window=W,key_block=G,value_group=g,sink=S,pre_rope=0|1]`: every token at
+    L levels (uncalibrated: no centering or smoothing)."""
 
     base: str = ""
 
@@ -290,10 +322,15 @@ class KVCalibration:
         return quantile_threshold(self.quantiles[indicator], frac)
 
     def means(self, base: str) -> dict[str, np.ndarray]:
-        """The channel means a base is centered with (empty when it is not)."""
-        if not self.report.get("centered", {}).get(base):
-            return {}
-        return {"key_mean": self.mean_arrays["key"], "value_mean": self.mean_arrays["value"]}
+        """The channel means a base is centered with and the key scales it is smoothed with (empty: neither)."""
+        out: dict[str, np.ndarray] = {}
+        pre = bool(self.options(base).get("pre_rope", 0))
+        if self.report.get("centered", {}).get(base):
+            out["key_mean"] = self.mean_arrays["key_pre" if pre else "key"]
+            out["value_mean"] = self.mean_arrays["value"]
+        if self.report.get("smoothed", {}).get(base):
+            out["key_scale"] = self.mean_arrays["key_scale_pre" if pre else "key_scale"]
+        return out
 
 
 def quantile_threshold(table: np.ndarray, frac: float) -> np.ndarray:
@@ -329,6 +366,9 @@ def load_kv_calibration(calib: Path, config: dict[str, Any]) -> KVCalibration:
         art = Artifact(path)
         quantiles = {ind: art.decode(f"quantiles.{ind}").astype(np.float64) for ind in RUNTIME_INDICATORS}
         means = {name: art.decode(f"mean.{name}") for name in ("key", "value")}
+        for name in ("key_pre", "key_scale", "key_scale_pre"):  # absent from older calibrations
+            if f"mean.{name}" in art.names:
+                means[name] = art.decode(f"mean.{name}")
     except (KeyError, FormatError) as exc:
         raise AccelError(f"--calib {calib}: the KV calibration's arrays are unreadable ({exc})") from None
     return KVCalibration(path, report, quantiles, means)

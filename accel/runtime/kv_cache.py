@@ -50,16 +50,30 @@ class KVScheme:
     key_block: int = 32  # affine: tokens per per-channel key group
     value_group: int = 64  # affine: channels per per-token value group
     window: int = 0  # recent tokens kept in fp16 (values; and keys of the per-token bases)
+    sink: int = 0  # the first `sink` tokens of the sequence stay in fp16 for good (attention sinks)
+    # > 0: keys are coded pre-RoPE: un-rotated by their position with this RoPE base (default RoPE, the model's
+    # rope_theta and head_dim) before coding, re-rotated on decode. 0: coded as the cache receives them.
+    rope_theta: float = 0.0
     # per-layer channel means [layers, H, d] subtracted before per-token coding and added back on decode
-    # (calibrated; None: no centering). Affine keys, coded per channel, need none.
+    # (calibrated; None: no centering). Affine keys, coded per channel, need none. With rope_theta the key mean
+    # is of pre-RoPE keys.
     key_mean: np.ndarray | None = field(default=None, compare=False, repr=False)
     value_mean: np.ndarray | None = field(default=None, compare=False, repr=False)
+    # per-layer channel scales [layers, H, d] (> 0) that centered keys are divided by before per-token coding and
+    # multiplied by on decode (smoothing, as in VecInfer; calibrated; None: none). Per-token bases only.
+    key_scale: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.base not in BASES:
             raise ValueError(f"unknown KV base quantizer {self.base!r}")
         if self.indicator not in RUNTIME_INDICATORS:
             raise ValueError(f"unknown runtime indicator {self.indicator!r}")
+        if self.sink < 0 or self.window < 0:
+            raise ValueError("sink and window must be non-negative")
+        if self.rope_theta < 0:
+            raise ValueError("rope_theta must be positive (or 0: keys coded post-RoPE)")
+        if self.key_scale is not None and not self.per_token_keys:
+            raise ValueError("key_scale smooths per-token key coding; affine keys are coded per channel")
 
     @property
     def per_token_keys(self) -> bool:
@@ -78,12 +92,26 @@ class KVScheme:
         return np.where(s > self.thresholds[layer], hi, lo).astype(np.int64)
 
     # -- the two quantizers, shared by the cache and the simulation --------------------------------------------
-    def encode_tokens(self, layer: int, which: int, x: np.ndarray, levels: np.ndarray
-                      ) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
-        """Per-token coding (values; turbo keys): codes [N, H, d] and side arrays."""
+    def keys_in(self, k: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Keys as the cache receives them [N, H, d] -> the space they are coded in (pre-RoPE with rope_theta)."""
+        k = np.asarray(k, dtype=np.float32)
+        return rope_rotate(k, positions, self.rope_theta, inverse=True) if self.rope_theta else k
+
+    def keys_out(self, k: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Inverse of keys_in: decoded keys back to the space attention reads (RoPE applied again)."""
+        return rope_rotate(k, positions, self.rope_theta) if self.rope_theta else k
+
+    def encode_tokens(self, layer: int, which: int, x: np.ndarray, levels: np.ndarray,
+                      positions: np.ndarray | None = None) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+        """Per-token coding (values; turbo keys): codes [N, H, d] and side arrays. Keys need their positions."""
+        x = np.asarray(x, dtype=np.float32)
+        if which == 0:
+            x = self.keys_in(x, positions)
         mean = self._mean(layer, which)
         if mean is not None:
-            x = np.asarray(x, dtype=np.float32) - mean
+            x = x - mean
+        if which == 0 and self.key_scale is not None:
+            x = x / np.asarray(self.key_scale[layer], dtype=np.float32)
         if self.base == "turbo":
             codes, norms = turboquant.encode(x, levels, self.layer_seed(layer, which))
             return codes, (norms,)
@@ -91,28 +119,45 @@ class KVScheme:
         return codes, (lo, hi)
 
     def decode_tokens(self, layer: int, which: int, codes: np.ndarray, levels: np.ndarray,
-                      side: tuple[np.ndarray, ...]) -> np.ndarray:
+                      side: tuple[np.ndarray, ...], positions: np.ndarray | None = None) -> np.ndarray:
         if self.base == "turbo":
             out = turboquant.decode(codes, levels, side[0], self.layer_seed(layer, which))
         else:
             out = kv_affine.token_group_decode(codes, levels, side[0], side[1], self.value_group)
+        if which == 0 and self.key_scale is not None:
+            out = out * np.asarray(self.key_scale[layer], dtype=np.float32)
         mean = self._mean(layer, which)
-        return out if mean is None else out + mean
+        if mean is not None:
+            out = out + mean
+        return self.keys_out(out, positions) if which == 0 else out
+
+    def key_blocks(self, length: int) -> list[range]:
+        """The affine key blocks of a sequence: `key_block` tokens each, starting after the sink tokens."""
+        return [range(start, min(start + self.key_block, length))
+                for start in range(self.sink, length, self.key_block)]
 
     def _mean(self, layer: int, which: int) -> np.ndarray | None:
         means = self.value_mean if which else self.key_mean
         return None if means is None else np.asarray(means[layer], dtype=np.float32)
 
     def fake_quantize(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """A whole sequence [T, H, d] (fp16-rounded) -> (keys, values) as their stored codes decode, levels."""
+        """A whole sequence [T, H, d] (fp16-rounded, positions 0..T-1) -> (keys, values) as their stored codes
+        decode (sink tokens: as given), levels."""
         levels = self.token_levels(layer, k, v)
         if self.base == "fp16":
             return k, v, levels
+        pos = np.arange(k.shape[0])
         vq = self.decode_tokens(layer, 1, *_split(self.encode_tokens(layer, 1, v, levels), levels))
         if self.per_token_keys:
-            kq = self.decode_tokens(layer, 0, *_split(self.encode_tokens(layer, 0, k, levels), levels))
+            codes, side = self.encode_tokens(layer, 0, k, levels, pos)
+            kq = self.decode_tokens(layer, 0, codes, levels, side, pos)
         else:
-            kq = kv_affine.channel_blocks_fake(k, levels, self.key_block)
+            kq = np.array(k, dtype=np.float32)
+            for block in self.key_blocks(k.shape[0]):
+                sl = slice(block.start, block.stop)
+                codes, lo, hi = kv_affine.channel_block_encode(self.keys_in(k[sl], pos[sl]), levels[sl])
+                kq[sl] = self.keys_out(kv_affine.channel_block_decode(codes, levels[sl], lo, hi), pos[sl])
+        kq[: self.sink], vq[: self.sink] = k[: self.sink], v[: self.sink]
         return kq, vq, levels
 
     def quantized_masks(self, length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -122,9 +167,32 @@ class KVScheme:
         if self.base == "fp16":
             none = np.zeros((length, length), dtype=bool)
             return none, none
-        mv = s <= t - self.window
-        mk = mv if self.per_token_keys else ((s // self.key_block) + 1) * self.key_block <= t + 1
+        mv = (s <= t - self.window) & (s >= self.sink)
+        if self.per_token_keys:
+            mk = mv
+        else:
+            block_end = ((s - self.sink) // self.key_block + 1) * self.key_block + self.sink
+            mk = (s >= self.sink) & (block_end <= t + 1)
         return mk, mv
+
+
+def rope_cos_sin(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [N, head_dim] float32 of default RoPE, computed as transformers' LlamaRotaryEmbedding does
+    (inv_freq = 1 / theta^(2i/d) in float32, freqs = position * inv_freq in float32, halves repeated)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    freqs = torch.as_tensor(np.asarray(positions)).float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().numpy(), emb.sin().numpy()
+
+
+def rope_rotate(x: np.ndarray, positions: np.ndarray, theta: float, inverse: bool = False) -> np.ndarray:
+    """Apply default RoPE to x [N, H, d] at `positions` [N] (inverse: undo it; the rotation by -angle)."""
+    x = np.asarray(x, dtype=np.float32)
+    cos, sin = rope_cos_sin(positions, x.shape[-1], theta)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    half = x.shape[-1] // 2
+    rot = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)  # transformers' rotate_half
+    return x * cos - rot * sin if inverse else x * cos + rot * sin
 
 
 def _split(encoded: tuple[np.ndarray, tuple[np.ndarray, ...]], levels: np.ndarray):
@@ -242,20 +310,21 @@ class PackedKVLayer(DynamicLayer):
         row.length = t + 1
         if sc.base == "fp16":
             return
-        ready = t - sc.window  # the token that leaves the recent window now
-        if ready >= 0:
+        ready = t - sc.window  # the token that leaves the recent window now; sink tokens stay fp16
+        if ready >= sc.sink:
             self._quantize_token(b, row, 1, ready)
             if sc.per_token_keys:
                 self._quantize_token(b, row, 0, ready)
-        if not sc.per_token_keys and row.length % sc.key_block == 0:
-            self._close_key_block(b, row, row.length // sc.key_block - 1)
+        after_sink = row.length - sc.sink
+        if not sc.per_token_keys and after_sink > 0 and after_sink % sc.key_block == 0:
+            self._close_key_block(b, row, after_sink // sc.key_block - 1)
 
     def _quantize_token(self, b: int, row: _Row, which: int, t: int) -> None:
         sc = self.scheme
         fp = row.fp_v if which else row.fp_k
         x = fp.pop(t).astype(np.float32)
         level = row.level(sc, t)
-        codes, side = sc.encode_tokens(self.layer_idx, which, x[None], np.array([level]))
+        codes, side = sc.encode_tokens(self.layer_idx, which, x[None], np.array([level]), np.array([t]))
         store_codes, store_side = (row.v_codes, row.v_side) if which else (row.k_codes, row.k_side)
         store_codes[t] = pack_base_levels(codes, level)
         store_side[t] = tuple(a[0] for a in side)
@@ -270,14 +339,14 @@ class PackedKVLayer(DynamicLayer):
         stored = (row.v_codes if which else row.k_codes)[t]
         codes = unpack_base_levels(stored, level, h * d).reshape(1, h, d)
         side = tuple(a[None] for a in (row.v_side if which else row.k_side)[t])
-        return sc.decode_tokens(self.layer_idx, which, codes, np.array([level]), side)[0]
+        return sc.decode_tokens(self.layer_idx, which, codes, np.array([level]), side, np.array([t]))[0]
 
     def _close_key_block(self, b: int, row: _Row, block: int) -> None:
         sc = self.scheme
-        tokens = range(block * sc.key_block, (block + 1) * sc.key_block)
+        tokens = self._block_tokens(block)
         x = np.stack([row.fp_k.pop(t) for t in tokens]).astype(np.float32)
         levels = np.array([row.level(sc, t) for t in tokens])
-        codes, lo, hi = kv_affine.channel_block_encode(x, levels)
+        codes, lo, hi = kv_affine.channel_block_encode(sc.keys_in(x, np.array(tokens)), levels)
         for i, t in enumerate(tokens):
             row.k_codes[t] = pack_base_levels(codes[i], int(levels[i]))
         row.k_side[block] = (lo, hi)
@@ -286,15 +355,20 @@ class PackedKVLayer(DynamicLayer):
             self._kbuf[b, :, tokens.start:tokens.stop] = torch.from_numpy(
                 self._decode_key_block(row, block).transpose(1, 0, 2))
 
+    def _block_tokens(self, block: int) -> range:
+        sc = self.scheme
+        start = sc.sink + block * sc.key_block
+        return range(start, start + sc.key_block)
+
     def _decode_key_block(self, row: _Row, block: int) -> np.ndarray:
         sc = self.scheme
         h, d = self._kbuf.shape[1], self._kbuf.shape[3]
-        tokens = range(block * sc.key_block, (block + 1) * sc.key_block)
+        tokens = self._block_tokens(block)
         levels = np.array([row.level(sc, t) for t in tokens])
         codes = np.stack([unpack_base_levels(row.k_codes[t], int(levels[i]), h * d).reshape(h, d)
                           for i, t in enumerate(tokens)])
         lo, hi = row.k_side[block]
-        return kv_affine.channel_block_decode(codes, levels, lo, hi)
+        return sc.keys_out(kv_affine.channel_block_decode(codes, levels, lo, hi), np.array(tokens))
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, H, T, d] decoded from the stored bytes alone."""
@@ -310,8 +384,8 @@ class PackedKVLayer(DynamicLayer):
                 elif sc.per_token_keys:
                     keys[b, :, t] = self._decode_token(row, 0, t)
             for block in range(row.closed_blocks if not sc.per_token_keys else 0):
-                sl = slice(block * sc.key_block, (block + 1) * sc.key_block)
-                keys[b, :, sl] = self._decode_key_block(row, block).transpose(1, 0, 2)
+                tokens = self._block_tokens(block)
+                keys[b, :, tokens.start:tokens.stop] = self._decode_key_block(row, block).transpose(1, 0, 2)
         return torch.from_numpy(keys).to(self.dtype), torch.from_numpy(values).to(self.dtype)
 
     def stored_bytes(self) -> dict[str, int]:
@@ -355,6 +429,17 @@ def fp16_bytes_per_token(config: Any) -> int:
     cfg = config if isinstance(config, dict) else config.to_dict()
     layers, kv_heads, head_dim = model_kv_shape(cfg)
     return 2 * 2 * layers * kv_heads * head_dim
+
+
+def rope_theta_of(config: Any) -> float | None:
+    """The RoPE base of a decoder config when it uses plain (default) RoPE on the whole head; None otherwise
+    (scaled or partial RoPE: pre-RoPE key coding is not offered there)."""
+    cfg = config if isinstance(config, dict) else config.to_dict()
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind != "default" or float(cfg.get("partial_rotary_factor", 1.0) or 1.0) != 1.0:
+        return None
+    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
 
 def model_kv_shape(config: dict[str, Any]) -> tuple[int, int, int]:
