@@ -9,8 +9,10 @@ Protocol (fixed before the run):
   included (codes, ranges, norms, level flags, the fp16 open key block / window / residual), averaged over
   windows. Reduction = fp16 bytes (2 bytes a value) / measured bytes.
 - Arms: SemKV maps (the calibration's pick for each base, built exactly as `accel quantize --kv semkv:BASE`
-  builds them); uniform affine and TurboQuant at each base's cliff; fp16 KV; KIVI-style 2-bit with a 32-token
-  fp16 window; transformers QuantizedCache with quanto and HQQ at 4 and 2 bits.
+  builds them); uniform affine and TurboQuant at each base's cliff, with the calibration's options (sink token,
+  pre-RoPE keys; TurboQuant centered and smoothed with the calibrated means and scales); the same uniform
+  levels without those options (the ablation); fp16 KV; KIVI-style 2-bit with a 32-token fp16 window;
+  transformers QuantizedCache with quanto and HQQ at 4 and 2 bits.
 - Paths: our caches' NLL comes from `accel.runtime.kv_cache.simulate`, the parallel equivalent of the packed
   cache (equal to token-by-token decoding up to float rounding, tests/test_kv_cache.py); their bytes from
   filling real PackedKVCaches with each arm's own keys and values. The SemKV arms are also decoded token by
@@ -18,6 +20,7 @@ Protocol (fixed before the run):
   caches have no parallel equivalent, so they are decoded token by token on all windows.
 
 Usage: python bench/semkv.py [--quick] [--json] [--windows N] [--seq-len T] [--calib-samples N]
+                            [--no-decoded-baselines]
 The last line printed is one JSON object with the table.
 """
 
@@ -65,7 +68,12 @@ def ensure_calibration(calib_text: Path, out: Path, samples: int, seq_len: int) 
     manifest = out / "calibration.json"
     want = {"samples": samples, "seq_len": seq_len, "seed": 0}
     sha = hashlib.sha256(calib_text.read_bytes()).hexdigest()
-    if manifest.is_file():
+    from accel.calibrate.kv import BASE_OPTIONS, MAP_OPTIONS
+
+    options = {b: {k: int(o[k]) for k in MAP_OPTIONS} for b, o in BASE_OPTIONS.items()}
+    report = out / "kv" / "report.json"
+    same_options = report.is_file() and json.loads(report.read_text()).get("options") == options
+    if manifest.is_file() and same_options:
         done = json.loads(manifest.read_text())
         if done.get("settings") == want and sha in done.get("data", {}).values() and "kv" in done.get("for", []):
             log(f"reusing the calibration in {out}")
@@ -84,8 +92,8 @@ def run(args: argparse.Namespace) -> dict:
     from accel.eval.load import load_causal_lm
     from accel.eval.perplexity import decode_nll, window_nll
     from accel.eval.stats import paired_bootstrap
-    from accel.quantize.maps import BuildContext, get_method, parse_spec
-    from accel.quantize.semkv import load_kv_calibration, scheme_of
+    from accel.quantize.maps import BuildContext, StoredMap, get_method, parse_spec
+    from accel.quantize.semkv import load_kv_calibration, make_arrays, make_params, scheme_of
     from accel.runtime.kv_cache import fp16_bytes_per_token, simulate
 
     out = OUT / "quick" if args.quick else OUT
@@ -109,20 +117,40 @@ def run(args: argparse.Namespace) -> dict:
         spec = base if calib.recommendation(base) is not None else f"{base}:{grid[-2]}/{grid[-1]}@0.5"
         stored = get_method("kv", "semkv").build(spec, BuildContext(MODEL, config, calib_dir, seed=0))
         arms.append((f"semkv-{base}" + ("" if spec == base else " (no pick)"), "map", stored))
+
+    def uniform(base: str, level: int, ablate: bool = False) -> StoredMap:
+        """Every token at `level`, with the calibration's options, means and scales for `base`; ablate: without
+        the sink, pre-RoPE keys and smoothing (TurboQuant keeps its centering, by the post-RoPE means)."""
+        options = {} if ablate else calib.options(base)
+        params = make_params(base, (level, level), 0.0, "key_norm", 0, config, **options)
+        extra = calib.means(base)
+        if ablate:
+            extra = {"key_mean": calib.mean_arrays["key"], "value_mean": calib.mean_arrays["value"]} if extra else {}
+        return StoredMap("kv", base, params, {**make_arrays(params, None), **extra})
+
     for base in ("affine", "turbo"):
         cliff = report["cliff"][base]
-        if cliff is not None:
-            arms.append((f"{base}-{cliff} (uniform, cliff)", "spec", f"{base}:{cliff}"))
-    arms += [("fp16", "spec", "fp16"), ("kivi-2bit", "spec", "kivi:2"), ("quanto-4bit", "decode", "quanto:4"),
-             ("quanto-2bit", "decode", "quanto:2"), ("hqq-4bit", "decode", "hqq:4"), ("hqq-2bit", "decode", "hqq:2")]
+        level = cliff if cliff is not None else grid[-1]
+        label = "cliff" if cliff is not None else "top of grid, no level passed"
+        arms.append((f"{base}-{level} (uniform, {label})", "map", uniform(base, level)))
+        arms.append((f"{base}-{level} (uniform, ablation: no sink/pre-RoPE/smoothing)", "map",
+                     uniform(base, level, ablate=True)))
+    arms += [("fp16", "spec", "fp16"), ("kivi-2bit", "spec", "kivi:2")]
+    if not args.no_decoded_baselines:
+        arms += [("quanto-4bit", "decode", "quanto:4"), ("quanto-2bit", "decode", "quanto:2"),
+                 ("hqq-4bit", "decode", "hqq:4"), ("hqq-2bit", "decode", "hqq:2")]
 
     rows = []
     for name, kind, what in arms:
         started = time.perf_counter()
         if kind == "map":
             stored = what
-            spec = f"semkv:{stored.params['base']}:{stored.params['levels'][0]}/{stored.params['levels'][1]}" \
-                   f"@{stored.params['frac']}"
+            p = stored.params
+            opts = ",".join(f"{k}={p[k]}" for k in ("sink", "pre_rope") if p.get(k)) + \
+                (",smooth" if "key_scale" in stored.arrays else "") + (",centered" if "key_mean" in stored.arrays
+                                                                        else "")
+            spec = (f"semkv:{p['base']}:{p['levels'][0]}/{p['levels'][1]}@{p['frac']}" if stored.method == "semkv"
+                    else f"{p['base']}:{p['levels'][0]}") + (f" [{opts.lstrip(',')}]" if opts else "")
         else:
             method, arg = parse_spec("kv", what)
             stored = method.from_eval_spec(arg, config)
@@ -138,7 +166,7 @@ def run(args: argparse.Namespace) -> dict:
             size = measure_bytes(scheme, kept.kept, layers)
             row.update(path="simulate", bytes_per_token=size["bytes_per_token"],
                        high_fraction=size["high_fraction"])
-            if kind == "map" and args.decode_windows:
+            if kind == "map" and stored.method == "semkv" and args.decode_windows:
                 runtime = method.runtime(stored, model)
                 sub = windows[: args.decode_windows]
                 decoded = decode_nll(model, sub, runtime.make_cache).nll
@@ -195,6 +223,8 @@ def main() -> None:
     parser.add_argument("--decode-windows", type=int, default=None,
                         help="windows the SemKV arms are also decoded token by token (default 2; quick 1)")
     parser.add_argument("--bytes-windows", type=int, default=4, help="windows that fill real caches for bytes")
+    parser.add_argument("--no-decoded-baselines", action="store_true",
+                        help="skip the transformers caches (quanto, HQQ), which only decode token by token (slow)")
     args = parser.parse_args()
     defaults = {"windows": (16, 3), "seq_len": (256, 64), "calib_samples": (20, 4), "decode_windows": (2, 1)}
     for key, (full, quick) in defaults.items():
