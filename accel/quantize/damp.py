@@ -4,12 +4,16 @@
 every linear-attention layer) by a risk score from `accel calibrate --for state` and keeps the top channels in the
 high format so that the average bits per state value, scales counted, is the largest not above the target.
 
-ARG is `[BITS][,rank=both|energy|persistence|random][,high=fp16|bf16|fp32][,low=FMT]`:
+ARG is `[BITS][,alloc=tiers|water][,rank=both|energy|persistence|random|sensitivity][,high=fp16|bf16|fp32][,low=FMT]`:
 - BITS: target average bits per state value (default 9.9).
-- rank: `both` (default) = INT8 error energy × persistence; `energy` or `persistence` alone; `random` (seeded by
-  `--seed`) is the ablation that mixes the same formats without a ranking.
+- alloc: `tiers` (default, the paper's DAMP) keeps the top channels in `high` and the rest in `low`; `water`
+  gives every channel its own INT-K width (K = 2..16) by reverse water-filling (`water_fill`): it minimises
+  Σ_c w_c · D_c(K_c), D_c the channel's measured error energy at width K, with Σ K_c fixed by BITS.
+- rank: `both` (default for tiers) = INT8 error energy × persistence; `energy` or `persistence` alone;
+  `sensitivity` (default for water) = the gradient sensitivity of the loss to the channel (× its error energy);
+  `random` (seeded by `--seed`) is the ablation that mixes the same formats without a ranking.
 - high: the format of the kept channels (default fp16). low: the rest (default int8; below int8's own bits the
-  default pair becomes int4 / int8, the adjacent tiers).
+  default pair becomes int4 / int8, the adjacent tiers). alloc=tiers only.
 Persistence is per head in GDN, so `rank=persistence` keeps whole heads there (ties in channel order).
 """
 
@@ -220,7 +224,8 @@ def damp_map(stats: dict[str, np.ndarray], shape: StateShape, spec: DampSpec, se
 
 
 class Damp(MapMethod, kind="state", name="damp"):
-    description = "DAMP channel map: high-risk channels in fp16, the rest INT8 (needs --calib from --for state)"
+    description = ("DAMP channel map: high-risk channels in fp16, the rest INT8, or (alloc=water) an INT-K width "
+                   "per channel (needs --calib from --for state)")
 
     def build(self, arg: str | None, ctx: BuildContext) -> StoredMap:
         from accel.calibrate.state import read_state_stats
