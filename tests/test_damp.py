@@ -92,6 +92,17 @@ def test_water_fill_matches_brute_force_on_a_small_instance():
     assert (2 + taken).tolist() == [5, 7, 9, 11]
 
 
+def test_water_fill_takes_a_channels_steps_in_order():
+    # a curve that falls to K = 12, then rises (the float16-scale floor) and falls a little: the late gain must
+    # not pull the channel past the rise while other channels still gain
+    k = np.arange(2, 17)
+    bumpy = 4.0 ** -np.minimum(k, 12)
+    bumpy[k == 13], bumpy[k == 14] = 4.0**-9, 4.0**-10
+    loss = np.stack([bumpy, 4.0 ** -k.astype(float), 4.0 ** -k.astype(float)])
+    taken = water_fill(loss, 10 + 9 + 9)  # enough for int12 on the first channel
+    assert taken.sum() == 28 and 2 + taken[0] <= 12
+
+
 def test_water_fill_is_monotone_in_the_budget():
     rng = np.random.default_rng(1)
     loss = np.sort(rng.lognormal(0, 2, (60, 15)), axis=1)[:, ::-1]  # decreasing, not convex
