@@ -99,15 +99,20 @@ def parse_damp_arg(arg: str | None) -> DampSpec:
     return spec
 
 
+def _required_sensitivity(sensitivity: np.ndarray | None) -> np.ndarray:
+    """The calibration's gradient sensitivities, which rank=sensitivity needs (older calibrations have none)."""
+    if sensitivity is None:
+        raise AccelError("--state damp: rank=sensitivity needs a calibration with state sensitivities "
+                         "(rerun `accel calibrate MODEL --for state`)")
+    return sensitivity
+
+
 def risk_score(energy: np.ndarray, persistence: np.ndarray, rank: str, seed: int = 0,
                sensitivity: np.ndarray | None = None) -> np.ndarray:
     if rank == "both":
         return energy * persistence
     if rank == "sensitivity":
-        if sensitivity is None:
-            raise AccelError("--state damp: rank=sensitivity needs a calibration with state sensitivities "
-                             "(rerun `accel calibrate MODEL --for state`)")
-        return energy * sensitivity
+        return energy * _required_sensitivity(sensitivity)
     if rank == "energy":
         return energy.copy()
     if rank == "persistence":
@@ -172,10 +177,7 @@ def water_weights(stats: dict[str, np.ndarray], rank: str, seed: int = 0) -> tup
     if rank == "both":
         weight = stats["persistence"]
     elif rank == "sensitivity":
-        if stats.get("sensitivity") is None:
-            raise AccelError("--state damp: rank=sensitivity needs a calibration with state sensitivities "
-                             "(rerun `accel calibrate MODEL --for state`)")
-        weight = stats["sensitivity"]
+        weight = _required_sensitivity(stats.get("sensitivity"))
     elif rank == "energy":
         weight = np.ones_like(e8)
     elif rank == "persistence":
