@@ -68,9 +68,10 @@ def ensure_calibration(calib_text: Path, out: Path, samples: int, seq_len: int) 
     manifest = out / "calibration.json"
     want = {"samples": samples, "seq_len": seq_len, "seed": 0}
     sha = hashlib.sha256(calib_text.read_bytes()).hexdigest()
-    from accel.calibrate.kv import BASE_OPTIONS, MAP_OPTIONS
+    from accel.calibrate.kv import BASE_OPTIONS
+    from accel.quantize.semkv import OPTION_KEYS
 
-    options = {b: {k: int(o[k]) for k in MAP_OPTIONS} for b, o in BASE_OPTIONS.items()}
+    options = {b: {k: int(o[k]) for k in OPTION_KEYS} for b, o in BASE_OPTIONS.items()}
     report = out / "kv" / "report.json"
     same_options = report.is_file() and json.loads(report.read_text()).get("options") == options
     if manifest.is_file() and same_options:

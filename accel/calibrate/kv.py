@@ -35,7 +35,7 @@ from accel.formats.artifact import write_weights
 from accel.formats.atomic import atomic_write_text
 from accel.formats.bitpack import base_grouping
 from accel.formats.tensor import encode_tensor
-from accel.quantize.semkv import quantile_threshold
+from accel.quantize.semkv import OPTION_KEYS, quantile_threshold
 from accel.runtime.kv_cache import (
     RUNTIME_INDICATORS,
     KVScheme,
@@ -61,7 +61,6 @@ BASE_OPTIONS = {"affine": {"key_block": 32, "value_group": 64, "window": 0, "sin
                            "center": False, "smooth": False},
                 "turbo": {"key_block": 1, "value_group": 64, "window": 0, "sink": 1, "pre_rope": 1,
                           "center": True, "smooth": True}}
-MAP_OPTIONS = ("key_block", "value_group", "window", "sink", "pre_rope")
 BYTES_WINDOWS = 4  # windows whose keys and values fill a real cache to measure the bytes of a mixed arm
 
 
@@ -356,7 +355,7 @@ def calibrate_kv(ctx: CalibContext) -> dict[str, Any]:
     stability = indicator_stability(scores)
     report = {"margin": MARGIN, "model_shape": [layers, kv_heads, head_dim], "windows": len(windows),
               "seq_len": int(length), "fp16_bytes_per_token": fp16_bytes,
-              "options": {b: {k: int(o[k]) for k in MAP_OPTIONS} for b, o in options.items()},
+              "options": {b: {k: int(o[k]) for k in OPTION_KEYS} for b, o in options.items()},
               "centered": {b: o["center"] for b, o in options.items()},
               "smoothed": {b: o["smooth"] for b, o in options.items()},
               "fp16": {"delta_nll": fp16_delta.mean, "ci": [fp16_delta.low, fp16_delta.high]},

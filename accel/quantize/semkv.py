@@ -45,7 +45,8 @@ KV_CALIB_DIR = "kv"
 _COMMON = {"value_group": 64, "window": 0, "sink": 0, "pre_rope": 0}
 DEFAULTS = {"affine": {"key_block": 32, **_COMMON}, "turbo": {"key_block": 1, **_COMMON},
             "fp16": {"key_block": 1, **_COMMON}}
-_OPTION_KEYS = ("key_block", "value_group", "window", "sink", "pre_rope")
+OPTION_KEYS = (  # the map params that set up the cache (calibrate --for kv writes them too)
+    "key_block", "value_group", "window", "sink", "pre_rope")
 _OPTIONAL_KEYS = {"sink": 0, "pre_rope": 0}  # absent from maps written before they existed
 
 
@@ -80,7 +81,7 @@ def make_params(base: str, levels: tuple[int, int], frac: float, indicator: str,
     layers, kv_heads, head_dim = model_kv_shape(config)
     opts = {**DEFAULTS[base], **options}
     params = {"base": base, "levels": [int(levels[0]), int(levels[1])], "frac": float(frac), "indicator": indicator,
-              "seed": int(seed), **{k: int(opts[k]) for k in _OPTION_KEYS}, "layers": layers, "kv_heads": kv_heads,
+              "seed": int(seed), **{k: int(opts[k]) for k in OPTION_KEYS}, "layers": layers, "kv_heads": kv_heads,
               "head_dim": head_dim}
     if params["pre_rope"] not in (0, 1):
         raise AccelError("the kv option pre_rope is 0 or 1")
@@ -122,7 +123,7 @@ def check_kv_map(stored: StoredMap, config: dict[str, Any]) -> None:
     if want != (layers, kv_heads, head_dim):
         raise AccelError(f"the kv map is for {want[0]} layers x {want[1]} KV heads x {want[2]} dims, the model has "
                          f"{layers} x {kv_heads} x {head_dim}: it was made for a different model")
-    for key in _OPTION_KEYS:
+    for key in OPTION_KEYS:
         value = p.get(key, _OPTIONAL_KEYS.get(key))
         positive = key in ("key_block", "value_group")
         if not isinstance(value, int) or isinstance(value, bool) or value < (1 if positive else 0):
@@ -228,8 +229,8 @@ def _parse_options(text: str | None, flag: str) -> tuple[str | None, dict[str, i
     options = {}
     for item in rest:
         key, _, value = item.partition("=")
-        if key not in _OPTION_KEYS:
-            raise AccelError(f"{flag}: unknown option {key!r} (known: {', '.join(_OPTION_KEYS)})")
+        if key not in OPTION_KEYS:
+            raise AccelError(f"{flag}: unknown option {key!r} (known: {', '.join(OPTION_KEYS)})")
         try:
             options[key] = int(value)
         except ValueError:
