@@ -73,6 +73,52 @@ def test_affine_matvec_and_tiles(simd, rng, shape, levels, layout, symmetric, gr
         assert np.array_equal(kw.decode_rows(1, 3), tile[1:3])
 
 
+TILED_SHAPES = [(1, 64), (5, 200), (17, 128), (33, 96), (40, 1024)]
+TILED = [  # (levels, symmetric, group): 8, 4 and 2 bits, groups of whole 4-byte blocks, or one group a row
+    (256, False, 64), (256, True, 32), (16, False, 64), (16, True, 8), (4, False, 16), (3, False, 64),
+    (200, False, 4096), (16, False, 4096),
+]
+
+
+@pytest.mark.parametrize("shape", TILED_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("levels,symmetric,group", TILED)
+def test_affine_tiled_integer_kernel(rng, shape, levels, symmetric, group):
+    """The 16-row tile copy (integer dot products on block floating point inputs) against float64, its float
+    path, and its row decode bit-exact with the format's."""
+
+    lib = _build.library()
+    w = rng.standard_normal(shape)
+    entry, arrays = encode_tensor("w", w, "affine", layout="packed", levels=levels, group=group,
+                                  symmetric=symmetric)
+    parts = _parts(entry, arrays)
+    kw = _check_matvec(entry, parts, rng)
+    if not lib.accel_tiled_available():
+        pytest.skip("this CPU or compiler has no AVX-512 VNNI path")
+    assert kw.tiled
+    tile = np.full(shape, np.nan, dtype=np.float32)
+    kw.decode_rows_ptr(0, shape[0], tile.ctypes.data)
+    assert np.array_equal(tile, decode_parts(entry, parts))
+    # inputs with outliers (one element 1e4 times the rest in some groups) and with zero groups
+    x = rng.standard_normal(shape[1]).astype(np.float32)
+    x[:: max(1, shape[1] // 3)] *= 1e4
+    x[: min(group, shape[1]) // 2] = 0.0
+    ref = reference_matvec(entry, parts, x)
+    out = kw.matvec(x, np.full(shape[0], np.nan, dtype=np.float32))
+    bound = np.abs(reference_weight(entry, parts)) @ np.abs(x.astype(np.float64))
+    # the input's rounding is relative to the largest element of its block (<= 128 columns): within float32
+    # accumulation's own error on such a dot product (sqrt(128) * 2^-24 = 7e-7 of sum |w| |x|)
+    assert _rel(out, ref) < 1e-5
+    assert np.linalg.norm(out - ref) / np.linalg.norm(bound) < 2e-6
+    try:  # the same tiles through the float path (the one non-finite inputs take)
+        lib.accel_set_simd(0)
+        out_float = kw.matvec(x, np.full(shape[0], np.nan, dtype=np.float32))
+    finally:
+        lib.accel_set_simd(1)
+    assert np.linalg.norm(out_float - ref) / np.linalg.norm(bound) < 2e-6
+    x[shape[1] // 2] = np.inf
+    assert not np.isfinite(kw.matvec(x)).any()
+
+
 def test_affine_float32_scales(simd, rng):
     w = rng.standard_normal((19, 70)) * 1e5  # too large for fp16 scales: the codec stores float32
     for symmetric in (False, True):
@@ -93,6 +139,24 @@ def test_leech_matvec_and_tiles(simd, rng, shape, shells, layout):
     dense = rht(rht(t.astype(np.float64).T, entry.params["seed_out"], inverse=True).T, entry.params["seed_in"],
                 inverse=True)[:, : shape[1]]
     assert _rel(dense, reference_weight(entry, parts)) < 1e-6
+
+
+def test_leech_planes_tile_copy(rng):
+    """4-plane stages read a 16-row tile copy of their planes (GFNI bit transpose + integer products): against
+    float64 with rows and a width past whole tiles and steps, next to a gathered 3-plane stage; a non-finite input
+    takes the float path."""
+
+    lib = _build.library()
+    w = rng.standard_normal((37, 200))  # 3 tiles, the last of 5 rows; 216 columns = 27 bytes a plane row
+    for shells in ((13,), (13, 3)):
+        entry, arrays = encode_tensor("w", w, "leech", layout="planes", shells=shells, seed_in=3, seed_out=4)
+        kw = _check_matvec(entry, _parts(entry, arrays), rng)
+        if not lib.accel_leech_tiles_available():
+            pytest.skip("this CPU or compiler has no AVX-512 VNNI + GFNI path")
+        assert len(kw.tiled) == 1
+        x = rng.standard_normal(200).astype(np.float32)
+        x[7] = np.nan
+        assert not np.isfinite(kw.matvec(x)).any()
 
 
 def test_leech_tiles_of_many_rows(simd, rng):

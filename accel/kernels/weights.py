@@ -104,6 +104,40 @@ class AffineWeight(KernelWeight):
         self.offset = None if self.symmetric else np.ascontiguousarray(parts["offset"])
         self.nbytes = int(sum(np.asarray(a).nbytes for a in parts.values()))
         self._lib = library()
+        self.tiled = self._tileable() and bool(self._lib.accel_tiled_available())
+        if self.tiled:
+            self._make_tiles()
+
+    def _tileable(self) -> bool:
+        """8-, 4- or 2-bit packed codes whose groups are whole 4-byte blocks of a row (or one group a row)."""
+        if self.layout != "packed" or self.bits not in (8, 4, 2):
+            return False
+        per = 8 // self.bits
+        rows, cols = self.shape
+        ngroups = -(-cols // self.group)
+        return (rows > 0 and cols % per == 0 and (ngroups == 1 or self.group % (4 * per) == 0)
+                and self.codes.size == rows * cols // per)
+
+    def _make_tiles(self) -> None:
+        """The 16-row tile copy the integer kernel reads (see accel_kernels.c); it replaces the code stream."""
+        rows, cols = self.shape
+        nbr, ngroups, ntiles = cols * self.bits // 8, -(-cols // self.group), -(-rows // 16)
+        steps = -(-nbr // 4)
+        tiles = np.zeros((ntiles * 16, steps * 4), dtype=np.uint8)
+        tiles[:rows, :nbr] = self.codes.reshape(rows, nbr)
+        self.codes = np.ascontiguousarray(tiles.reshape(ntiles, 16, steps, 4).transpose(0, 2, 1, 3))
+
+        def by_tile(side: np.ndarray) -> np.ndarray:
+            padded = np.zeros((ntiles * 16, ngroups), dtype=side.dtype)
+            padded[:rows] = side.reshape(rows, ngroups)
+            return np.ascontiguousarray(padded.reshape(ntiles, 16, ngroups).transpose(0, 2, 1))
+
+        self.scale = by_tile(self.scale)
+        self.offset = None if self.offset is None else by_tile(self.offset)
+
+    def _tiled_args(self) -> tuple:
+        return (ptr(self.codes), self.bits, self.levels, int(self.symmetric), int(self.scale_f32), ptr(self.scale),
+                None if self.offset is None else ptr(self.offset), self.shape[0], self.shape[1], self.group)
 
     def _common(self) -> tuple:
         return (ptr(self.codes), self.codes.size, self.bits, self.levels, self.base_g, self.base_b,
@@ -111,11 +145,19 @@ class AffineWeight(KernelWeight):
                 None if self.offset is None else ptr(self.offset), self.shape[0], self.shape[1], self.group)
 
     def matvec_ptr(self, x, out):
-        _check(self._lib.accel_affine_matvec(*self._common(), x, out, _THREADS[0]), "accel_affine_matvec")
+        if self.tiled:
+            _check(self._lib.accel_affine_tiled_matvec(*self._tiled_args(), x, out, _THREADS[0]),
+                   "accel_affine_tiled_matvec")
+        else:
+            _check(self._lib.accel_affine_matvec(*self._common(), x, out, _THREADS[0]), "accel_affine_matvec")
 
     def decode_rows_ptr(self, r0, r1, out):
-        _check(self._lib.accel_affine_decode_rows(*self._common(), r0, r1, out, _THREADS[0]),
-               "accel_affine_decode_rows")
+        if self.tiled:
+            _check(self._lib.accel_affine_tiled_decode_rows(*self._tiled_args(), r0, r1, out, _THREADS[0]),
+                   "accel_affine_tiled_decode_rows")
+        else:
+            _check(self._lib.accel_affine_decode_rows(*self._common(), r0, r1, out, _THREADS[0]),
+                   "accel_affine_decode_rows")
 
 
 class LeechWeight(KernelWeight):
@@ -152,6 +194,13 @@ class LeechWeight(KernelWeight):
                           else LeechOneHotLayout(stage["max_shell"])._levels())
             alphas.append(float(stage["alpha"]))
         self.streams = streams
+        self._lib = library()
+        # 4-plane stages also get a 16-row tile copy of their planes, read with plain loads (accel_kernels.c)
+        tiled = [_planes_tiles(s, self.shape[0], self.cols) if kind == 0 and bits == 4
+                 and self._lib.accel_leech_tiles_available() else None
+                 for s, kind, bits in zip(streams, kinds, params, strict=True)]
+        self.tiled = [t for t in tiled if t is not None]
+        self._tiled_ptrs = (ctypes.c_void_p * len(tiled))(*[None if t is None else t.ctypes.data for t in tiled])
         self.scale = np.ascontiguousarray(parts["scale"]).view(np.uint16)
         self.nbytes = int(sum(s.nbytes for s in streams) + self.scale.nbytes)
         n = len(streams)
@@ -168,7 +217,6 @@ class LeechWeight(KernelWeight):
             self.factors[side] = (np.ascontiguousarray(signs, dtype=np.float32),
                                   np.ascontiguousarray(rot if side == "in" else rot.T, dtype=np.float32),
                                   split_size(size)[0])
-        self._lib = library()
 
     def _head(self) -> tuple:
         return (self.nstages, self._stream_ptrs, self._stream_bytes, self._kinds, self._params, self._alphas,
@@ -176,8 +224,9 @@ class LeechWeight(KernelWeight):
 
     def matvec_ptr(self, x, out):
         (si, ri, mi), (so, ro, mo) = self.factors["in"], self.factors["out"]
-        _check(self._lib.accel_leech_matvec(*self._head(), self.shape[1], ptr(si), ptr(ri), mi, ptr(so), ptr(ro), mo,
-                                            x, out, _THREADS[0]), "accel_leech_matvec")
+        head = self._head()
+        _check(self._lib.accel_leech_matvec(*head[:7], self._tiled_ptrs, *head[7:], self.shape[1], ptr(si), ptr(ri),
+                                            mi, ptr(so), ptr(ro), mo, x, out, _THREADS[0]), "accel_leech_matvec")
 
     def decode_rows_ptr(self, r0, r1, out):
         """Rows of the transformed weight T (scale * sum of stage points), `cols` wide: W = U^T T V."""
@@ -188,6 +237,17 @@ class LeechWeight(KernelWeight):
         signs, mat, odd = self.factors[side]
         _check(self._lib.accel_rht(data, nvec, signs.size, ptr(signs), ptr(mat), odd, int(side == "out"),
                                    _THREADS[0]), "accel_rht")
+
+
+def _planes_tiles(stream: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """A 4-plane stage's planes as 16-row tiles: [tile][step][half][row][qword], byte 7 - (4 a + j) of a row's qword
+    = plane j's byte 2 step + a of that row (see "Leech planes, 16-row tiles" in accel_kernels.c)."""
+    rowbytes = cols // 8
+    steps, ntiles = -(-rowbytes // 2), -(-rows // 16)
+    planes = np.zeros((4, ntiles * 16, 2 * steps), dtype=np.uint8)
+    planes[:, :rows, :rowbytes] = stream[: 4 * rows * rowbytes].reshape(4, rows, rowbytes)
+    q = planes.reshape(4, ntiles, 2, 8, steps, 2).transpose(1, 4, 2, 3, 5, 0)  # tile, step, half, row, a, plane
+    return np.ascontiguousarray(q.reshape(ntiles, steps, 2, 8, 8)[..., ::-1]).reshape(-1)
 
 
 def kernel_weight(entry: TensorEntry, parts: dict[str, np.ndarray]) -> KernelWeight:

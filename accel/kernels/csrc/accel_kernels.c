@@ -26,6 +26,12 @@
 #define HAVE_AVX512 0
 #endif
 
+#if HAVE_AVX512 && defined(__AVX512VNNI__)
+#define HAVE_VNNI 1 /* the integer tile kernels (affine tiles; Leech tiles also need GFNI) */
+#else
+#define HAVE_VNNI 0
+#endif
+
 #define API __attribute__((visibility("default")))
 
 static int g_simd = HAVE_AVX512;
@@ -614,6 +620,7 @@ typedef struct {
     float alpha[2];
     const uint16_t *scale; /* fp16, one per row */
     int64_t rows, cols, nblk; /* cols padded to 24 * nblk; nblk = blocks per row */
+    const uint8_t *tiled[2]; /* a 4-plane stage's 16-row tile copy (see "Leech planes, 16-row tiles"), or NULL */
 } Leech;
 
 static inline int parity_bit(const uint8_t *par, int64_t k) { return (par[k >> 3] >> (k & 7)) & 1; }
@@ -883,6 +890,7 @@ static int leech_init(Leech *L, int nstages, const uint8_t *const *streams, cons
     L->rows = rows;
     L->cols = cols;
     L->nblk = cols / 24;
+    L->tiled[0] = L->tiled[1] = NULL;
     int64_t n = rows * L->nblk;
     for (int s = 0; s < nstages; s++) {
         L->stream[s] = streams[s];
@@ -899,6 +907,120 @@ static int leech_init(Leech *L, int nstages, const uint8_t *const *streams, cons
     return 0;
 }
 
+/* --------------------------------------------------------------------- Leech planes, 16-row tiles (GFNI + VNNI) */
+/* A serving copy of a 4-plane `planes` stage, made once at load (accel/kernels/weights.py): the same plane bytes,
+ * interleaved by 16 rows so that a tile is read with plain loads instead of gathers. Tile t (rows 16t .. 16t+15),
+ * step s (coordinate bytes 2s and 2s+1 of a row: 16 coordinates), half h (rows 8h .. 8h+7): one qword per row, whose
+ * byte 7 - (4 a + j) is plane j's byte 2s + a; 128 bytes a step, zero past a row's end and past the last row.
+ *
+ * gf2p8affineqb with that qword as its bit matrix and the bytes 1, 2, 4, ... 128 as its input transposes the 8 x 8
+ * bits: output byte i holds coordinate i of byte 2s in its low nibble and of byte 2s + 1 in its high nibble, each
+ * the 4-bit two's complement v of x = 2 v + p, and the instruction's constant 0x88 flips each nibble's top bit, so
+ * the nibble is u = v + 8 in 0 .. 15. The lanes of a row are its two dwords (coordinates 0-3 and 4-7 of a byte), so
+ * the input digits are broadcast by qword; otherwise the products are the affine tiles' (block floating point
+ * input, three signed digit bytes, vpdpbusd), and sum_c v_c z_c = sum_c u_c z_c - 8 sum_c z_c per block, with the
+ * block sums taken of the same rounded inputs. */
+
+#if HAVE_VNNI && defined(__GFNI__)
+#define HAVE_LEECH_TILES 1
+
+AI void dpbusd_reg(__m512i *acc, __m512i q, __m512i x) { __asm__("vpdpbusd %2, %1, %0" : "+v"(*acc) : "v"(q), "v"(x)); }
+
+/* z (cols = 8 * rowbytes, zero padded to whole steps) as digit qwords xq[(2 s + a) * 3 + p] (coordinates 16 s + 8 a
+ * .. + 7, piece p), per block of 128 coordinates unit[b] and zsum[b] (the sum of the rounded inputs); 0 if an element
+ * is not finite */
+static int leech_tiled_input(const float *z, int64_t cols, int64_t steps, int64_t *xq, float *unit, float *zsum) {
+    const int64_t nblocks = (steps + 7) / 8;
+    memset(xq, 0, (size_t)steps * 6 * sizeof(int64_t));
+    for (int64_t b = 0; b < nblocks; b++) {
+        const int64_t c0 = b * 128, c1 = c0 + 128 < cols ? c0 + 128 : cols;
+        __m512 vmax = _mm512_setzero_ps();
+        __mmask16 bad = 0;
+        for (int64_t c = c0; c < c1; c += 16) {
+            const __mmask16 m = c1 - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (c1 - c)) - 1u);
+            const __m512 v = _mm512_maskz_loadu_ps(m, z + c);
+            bad |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+        }
+        const float mx = _mm512_reduce_max_ps(vmax);
+        if (bad || !isfinite(mx)) return 0;
+        int ex = 0;
+        if (mx > 0.0f) frexpf(mx, &ex);
+        if (ex - 22 < -126 || ex - 22 > 127) return 0;
+        const __m512 fac = _mm512_set1_ps(ldexpf(1.0f, 22 - ex));
+        unit[b] = ldexpf(1.0f, ex - 22);
+        __m512i vsum = _mm512_setzero_si512();
+        for (int64_t c = c0; c < c1; c += 16) {
+            const int64_t n = c1 - c >= 16 ? 16 : c1 - c;
+            const __m512i X = _mm512_cvtps_epi32(
+                _mm512_mul_ps(_mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1u), z + c), fac));
+            vsum = _mm512_add_epi32(vsum, X);
+            const __m512i X0 = _mm512_srai_epi32(_mm512_slli_epi32(X, 24), 24);
+            const __m512i R = _mm512_srai_epi32(_mm512_sub_epi32(X, X0), 8);
+            const __m512i X1 = _mm512_srai_epi32(_mm512_slli_epi32(R, 24), 24);
+            const __m512i X2 = _mm512_srai_epi32(_mm512_sub_epi32(R, X1), 8);
+            int64_t q[3][2];
+            _mm_storeu_si128((__m128i *)q[0], _mm512_cvtepi32_epi8(X0));
+            _mm_storeu_si128((__m128i *)q[1], _mm512_cvtepi32_epi8(X1));
+            _mm_storeu_si128((__m128i *)q[2], _mm512_cvtepi32_epi8(X2));
+            int64_t *out = xq + (c / 16) * 6;
+            for (int a = 0; a < 2; a++)
+                for (int p = 0; p < 3; p++) out[a * 3 + p] = q[p][a];
+        }
+        zsum[b] = (float)((double)_mm512_reduce_add_epi32(vsum) * (double)unit[b]);
+    }
+    return 1;
+}
+
+/* out[i] = sum_c v_c z_c for the 16 rows of tile t of a tiled 4-plane stage */
+static void leech_tiled_tile(const uint8_t *tiles, int64_t steps, int64_t t, const int64_t *xq, const float *unit,
+                             const float *zsum, float *out) {
+    const uint8_t *base = tiles + t * steps * 128;
+    const __m512i E = _mm512_set1_epi64((long long)0x8040201008040201ull), nib = _mm512_set1_epi8(0x0f);
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    __m512 total = _mm512_setzero_ps();
+    const int64_t nblocks = (steps + 7) / 8;
+    for (int64_t b = 0; b < nblocks; b++) {
+        const int64_t k1 = b * 8 + 8 < steps ? b * 8 + 8 : steps;
+        __m512i acc[12]; /* [half][low/high nibble][piece] */
+        for (int i = 0; i < 12; i++) acc[i] = _mm512_setzero_si512();
+        for (int64_t k = b * 8; k < k1; k++) {
+            _mm_prefetch((const char *)(base + k * 128 + 2048), _MM_HINT_T0);
+            _mm_prefetch((const char *)(base + k * 128 + 2112), _MM_HINT_T0);
+            const int64_t *xs = xq + k * 6;
+            __m512i xl[3], xh[3];
+            for (int p = 0; p < 3; p++) {
+                xl[p] = _mm512_set1_epi64(xs[p]);
+                xh[p] = _mm512_set1_epi64(xs[3 + p]);
+            }
+            for (int h = 0; h < 2; h++) {
+                const __m512i w = _mm512_gf2p8affine_epi64_epi8(E, _mm512_loadu_si512(base + k * 128 + h * 64), 0x88);
+                const __m512i lo = _mm512_and_si512(w, nib), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nib);
+                for (int p = 0; p < 3; p++) {
+                    dpbusd_reg(&acc[h * 6 + p], lo, xl[p]);
+                    dpbusd_reg(&acc[h * 6 + 3 + p], hi, xh[p]);
+                }
+            }
+        }
+        __m512 dot = _mm512_set1_ps(-8.0f * zsum[b]);
+        const float mul[3] = {unit[b], 256.0f * unit[b], 65536.0f * unit[b]};
+        for (int p = 0; p < 3; p++) { /* lanes 2r, 2r+1 of half h are row 8h + r */
+            const __m512i s0 = _mm512_add_epi32(acc[p], acc[3 + p]), s1 = _mm512_add_epi32(acc[6 + p], acc[9 + p]);
+            const __m512i s = _mm512_add_epi32(_mm512_permutex2var_epi32(s0, even, s1),
+                                               _mm512_permutex2var_epi32(s0, odd, s1));
+            dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(mul[p]), dot);
+        }
+        total = _mm512_add_ps(total, dot);
+    }
+    _mm512_storeu_ps(out, total);
+}
+#else
+#define HAVE_LEECH_TILES 0
+#endif
+
+API int accel_leech_tiles_available(void) { return HAVE_LEECH_TILES && g_simd; }
+
 /* t[r] = scale[r] * sum_s alpha_s <x_s[r], z> for rows [0, rows), in tiles of 16 rows */
 static void leech_rows(const Leech *L, const float *z, const float *zb, float *t, int nthreads) {
     const int64_t n = L->rows * L->nblk, plane = 3 * n, rowbytes = 3 * L->nblk, parbytes = (n + 7) / 8;
@@ -908,6 +1030,19 @@ static void leech_rows(const Leech *L, const float *z, const float *zb, float *t
     if (g_simd) {
         tab = xalloc((size_t)L->cols * 4 * sizeof(float));
         build_tables(z, L->cols, tab);
+    }
+#endif
+#if HAVE_LEECH_TILES
+    const int64_t tsteps = (rowbytes + 1) / 2;
+    int64_t *xq = NULL;
+    float *tunit = NULL;
+    if (g_simd && (L->tiled[0] || (L->nstages > 1 && L->tiled[1]))) {
+        xq = xalloc((size_t)tsteps * 6 * sizeof(int64_t));
+        tunit = xalloc((size_t)((tsteps + 7) / 8) * 2 * sizeof(float));
+        if (!leech_tiled_input(z, L->cols, tsteps, xq, tunit, tunit + (tsteps + 7) / 8)) { /* the float path */
+            free(xq);
+            xq = NULL;
+        }
     }
 #endif
     int nt = threads_for(nthreads, (double)L->rows * L->cols);
@@ -929,6 +1064,11 @@ static void leech_rows(const Leech *L, const float *z, const float *zb, float *t
                         spread_parity(par, parbytes, (r0 + i) * L->nblk, L->nblk, pm + i * rowbytes);
 #if HAVE_AVX512
                 if (g_simd) {
+#if HAVE_LEECH_TILES
+                    if (xq && L->tiled[s])
+                        leech_tiled_tile(L->tiled[s], tsteps, tile, xq, tunit, tunit + (tsteps + 7) / 8, vals);
+                    else
+#endif
                     if (onehot) onehot_tile(base, plane, rowbytes, r0, nr, pm, tab, vals, L->param[s]);
                     else planes_tile(base, plane, rowbytes, r0, nr, tab, vals, L->param[s]);
                     for (int i = 0; i < nr; i++) /* x = 2 v + p */
@@ -950,17 +1090,24 @@ static void leech_rows(const Leech *L, const float *z, const float *zb, float *t
         free(pm);
     }
     free(tab);
+#if HAVE_LEECH_TILES
+    free(xq);
+    free(tunit);
+#endif
 }
 
 /* y = U^T T V x: V as (sign, R, odd size), U as (sign, R^T, odd size); x has in_features <= cols entries (zero padded) */
 API int accel_leech_matvec(int nstages, const uint8_t *const *streams, const int64_t *stream_bytes, const int *layout,
-                           const int *param, const float *alpha, const uint16_t *scale, int64_t rows, int64_t cols,
+                           const int *param, const float *alpha, const uint16_t *scale, const uint8_t *const *tiled,
+                           int64_t rows, int64_t cols,
                            int64_t in_features, const float *sign_in, const float *rot_in, int64_t odd_in,
                            const float *sign_out, const float *rot_out_t, int64_t odd_out, const float *x, float *y,
                            int nthreads) {
     Leech L;
     int err = leech_init(&L, nstages, streams, stream_bytes, layout, param, alpha, scale, rows, cols);
     if (err) return err;
+    for (int s = 0; s < nstages && tiled; s++) /* a tile copy only of a 4-plane stage */
+        L.tiled[s] = layout[s] == LEECH_PLANES && param[s] == 4 ? tiled[s] : NULL;
     if (in_features > cols || in_features < 1 || odd_in < 1 || cols % odd_in || odd_out < 1 || rows % odd_out)
         return -1;
     int64_t big = cols > rows ? cols : rows;
@@ -1035,6 +1182,270 @@ API int accel_leech_decode_rows(int nstages, const uint8_t *const *streams, cons
             }
         }
         for (int64_t c = 0; c < cols; c++) o[c] *= s;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------ affine, 16-row tiles (VNNI) */
+/* A serving copy of `packed` 8-, 4- and 2-bit codes, made once at load (accel/kernels/weights.py), for integer dot
+ * products. Tile t holds rows 16t .. 16t+15 as `steps` steps of 64 bytes; step k holds bytes 4k .. 4k+3 of each
+ * of the 16 rows' code streams, row after row (tile[t][k][lane][4]). Rows past the last and bytes past a row's end
+ * are zero. Scales (and offsets) are stored [t][g][16] in their stored dtype, zero past the last row. A group is a
+ * whole number of steps (group % (4 * codes per byte) == 0), or a row is one group.
+ *
+ * Each call writes the input once as block floating point, in blocks of at most 128 columns that divide the group:
+ * X = round(x 2^e_b) with |X| < 2^22, split into three signed bytes X = 65536 X2 + 256 X1 + X0. vpdpbusd
+ * multiplies 4 unsigned code bytes by 4 signed digit bytes and adds them to an int32 lane (64 products an
+ * instruction, two instructions a cycle on this CPU); a lane is a row, so each block's three exact int32 sums are
+ * converted and scaled once, for 16 rows at once. Besides float32 accumulation, the only rounding is the input's:
+ * |x - X 2^-e_b| <= 2^-23 max |x| over the block. An input with a non-finite element takes the float path, so NaN
+ * and Inf propagate as in a float dot product. */
+
+API int accel_tiled_available(void) { return HAVE_VNNI && g_simd; }
+
+typedef struct {
+    const uint8_t *tiles;
+    int bits, levels, symmetric, scale_f32;
+    const void *scale, *offset;
+    int64_t rows, cols, group, ngroups, steps; /* steps: 64-byte blocks a tile */
+    int64_t bw, nblocks, bsteps; /* input blocks: columns a block (a divisor of the group), count, steps a block */
+} Tiled;
+
+static int tiled_init(Tiled *a, const uint8_t *tiles, int bits, int levels, int symmetric, int scale_f32,
+                      const void *scale, const void *offset, int64_t rows, int64_t cols, int64_t group) {
+    if ((bits != 8 && bits != 4 && bits != 2) || levels < 2 || levels > (1 << bits) || rows < 0 || cols < 1 ||
+        group < 1 || (!symmetric && !offset))
+        return -1;
+    const int per = 8 / bits;
+    const int64_t ngroups = (cols + group - 1) / group;
+    if (cols % per || (ngroups > 1 && group % (4 * per))) return -2;
+    int64_t bw = 4 * per; /* the widest block of at most 128 columns that divides the group */
+    for (int64_t w = 128; w >= 4 * per; w -= 4 * per)
+        if (ngroups == 1 || group % w == 0) {
+            bw = w;
+            break;
+        }
+    *a = (Tiled){tiles, bits, levels, symmetric, scale_f32, scale, offset, rows, cols, group, ngroups,
+                 (cols / per + 3) / 4, bw, (cols + bw - 1) / bw, bw / (4 * per)};
+    return 0;
+}
+
+static inline unsigned tiled_code(const Tiled *a, int64_t r, int64_t c) {
+    const int per = 8 / a->bits;
+    const int64_t b = c / per;
+    const uint8_t byte = a->tiles[((r / 16) * a->steps + b / 4) * 64 + (r % 16) * 4 + b % 4];
+    return (byte >> (a->bits * (c % per))) & ((1u << a->bits) - 1u);
+}
+
+/* float path: y[r] = sum_g s_g sum_{c in g} q_c x_c + coef_g gsum_g, coef = offset or -s (L - 1) / 2 */
+static float tiled_row_float(const Tiled *a, int64_t r, const float *x, const float *gsum) {
+    const int64_t t = r / 16, lane = r % 16;
+    const float mid = 0.5f * (float)(a->levels - 1);
+    float total = 0.0f;
+    for (int64_t g = 0; g < a->ngroups; g++) {
+        const int64_t c0 = g * a->group, c1 = c0 + a->group < a->cols ? c0 + a->group : a->cols;
+        const int64_t side = (t * a->ngroups + g) * 16 + lane;
+        float d = 0.0f;
+        for (int64_t c = c0; c < c1; c++) d += (float)tiled_code(a, r, c) * x[c];
+        const float s = side_value(a->scale, a->scale_f32, side);
+        const float coef = a->symmetric ? -mid * s : side_value(a->offset, a->scale_f32, side);
+        total += s * d + coef * gsum[g];
+    }
+    return total;
+}
+
+#if HAVE_VNNI
+/* the input as digit dwords xd[(k * per + f) * 3 + p] (the 4 inputs that the bytes of step k's field f multiply,
+ * piece p), and per input block b (`bw` columns, inside one group): unit[b] = 2^-e_b and gsum[b] = the block's sum
+ * of the rounded inputs (exact in integers, then rounded once: the offsets then multiply the same inputs as the
+ * codes, so the codes' zero point, up to 255 times the spread of a row's values, does not magnify the input's
+ * rounding); returns 0 if an element is not finite */
+AI int tiled_input_t(const Tiled *a, const float *x, int32_t *xd, float *unit, float *gsum, const int per) {
+    /* the digit bytes of 16 columns c .. c+15 (c a multiple of 4 per) in dword order (step, field), per = 1, 2, 4 */
+    const __m128i order = per == 1   ? _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+                          : per == 2 ? _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15)
+                                     : _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    memset(xd, 0, (size_t)(a->steps + 4) * per * 3 * sizeof(int32_t));
+    for (int64_t g = 0; g < a->nblocks; g++) {
+        const int64_t c0 = g * a->bw, c1 = c0 + a->bw < a->cols ? c0 + a->bw : a->cols;
+        __m512 vmax = _mm512_setzero_ps();
+        __mmask16 bad = 0;
+        for (int64_t c = c0; c < c1; c += 16) {
+            const __mmask16 m = c1 - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (c1 - c)) - 1u);
+            const __m512 v = _mm512_maskz_loadu_ps(m, x + c);
+            bad |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+        }
+        const float mx = _mm512_reduce_max_ps(vmax);
+        if (bad || !isfinite(mx)) return 0;
+        int ex = 0;
+        if (mx > 0.0f) frexpf(mx, &ex); /* mx < 2^ex */
+        if (ex - 22 < -126 || ex - 22 > 127) return 0; /* 2^(22 - ex) is not a float: the float path */
+        const __m512 fac = _mm512_set1_ps(ldexpf(1.0f, 22 - ex)); /* x * fac is exact, |x * fac| < 2^22 */
+        unit[g] = ldexpf(1.0f, ex - 22);
+        __m512i vsum = _mm512_setzero_si512(); /* < 2^22 * 8 a lane: exact */
+        for (int64_t c = c0; c < c1; c += 16) {
+            const int64_t n = c1 - c >= 16 ? 16 : c1 - c;
+            const __m512 v = _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1u), x + c);
+            const __m512i X = _mm512_cvtps_epi32(_mm512_mul_ps(v, fac)); /* round to nearest even, as lrintf */
+            vsum = _mm512_add_epi32(vsum, X);
+            const __m512i X0 = _mm512_srai_epi32(_mm512_slli_epi32(X, 24), 24);
+            const __m512i R = _mm512_srai_epi32(_mm512_sub_epi32(X, X0), 8); /* exact: a multiple of 256 */
+            const __m512i X1 = _mm512_srai_epi32(_mm512_slli_epi32(R, 24), 24);
+            const __m512i X2 = _mm512_srai_epi32(_mm512_sub_epi32(R, X1), 8);
+            int32_t dw[3][4];
+            _mm_storeu_si128((__m128i *)dw[0], _mm_shuffle_epi8(_mm512_cvtepi32_epi8(X0), order));
+            _mm_storeu_si128((__m128i *)dw[1], _mm_shuffle_epi8(_mm512_cvtepi32_epi8(X1), order));
+            _mm_storeu_si128((__m128i *)dw[2], _mm_shuffle_epi8(_mm512_cvtepi32_epi8(X2), order));
+            const int64_t ndw = (n + 4 * per - 1) / (4 * per) * per; /* dwords of the steps these columns touch */
+            int32_t *out = xd + (c / 4) * 3;
+            for (int64_t j = 0; j < ndw; j++) {
+                out[3 * j] = dw[0][j];
+                out[3 * j + 1] = dw[1][j];
+                out[3 * j + 2] = dw[2][j];
+            }
+        }
+        gsum[g] = (float)((double)_mm512_reduce_add_epi32(vsum) * (double)unit[g]);
+    }
+    return 1;
+}
+
+static int tiled_input(const Tiled *a, const float *x, int32_t *xd, float *unit, float *gsum) {
+    switch (a->bits) {
+    case 8: return tiled_input_t(a, x, xd, unit, gsum, 1);
+    case 4: return tiled_input_t(a, x, xd, unit, gsum, 2);
+    default: return tiled_input_t(a, x, xd, unit, gsum, 4);
+    }
+}
+
+AI __m512 tiled_side(const void *p, int is_f32, int64_t at) {
+    return is_f32 ? _mm512_loadu_ps((const float *)p + at)
+                  : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + at)));
+}
+
+/* *acc += the 64 products of q's unsigned bytes with the 4 signed bytes at x, broadcast. In assembly because GCC
+ * copies the accumulator of the intrinsic to a new register and back on every use in a loop (twice as many
+ * instructions as the products themselves); the broadcast is the instruction's own memory operand. */
+AI void dpbusd_bcast(__m512i *acc, __m512i q, const int32_t *x) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(*acc) : "v"(q), "m"(*x));
+}
+
+/* the 16 rows of tile t; per = codes a byte (1, 2, 4); 4 / per blocks an iteration, so 12 independent sums */
+AI void tiled_tile_t(const Tiled *a, int64_t t, const int32_t *xd, const float *unit, const float *gsum, float *y,
+                     const int per) {
+    const int U = 4 / per, bits = 8 / per;
+    const uint8_t *base = a->tiles + t * a->steps * 64;
+    const __m512i mask = _mm512_set1_epi8((char)((1 << bits) - 1));
+    const float mid = 0.5f * (float)(a->levels - 1);
+    __m512 total = _mm512_setzero_ps();
+    const int64_t per_group = a->ngroups == 1 ? a->nblocks : a->group / a->bw; /* blocks a group */
+    for (int64_t blk = 0, g = 0, in_g = 0; blk < a->nblocks; blk++, in_g++) {
+        if (in_g == per_group) {
+            g++;
+            in_g = 0;
+        }
+        const int64_t k0 = blk * a->bsteps, k1 = k0 + a->bsteps < a->steps ? k0 + a->bsteps : a->steps;
+        __m512i acc[12];
+        for (int i = 0; i < 12; i++) acc[i] = _mm512_setzero_si512();
+        for (int64_t k = k0; k < k1; k += U) { /* one loop body: a block's last steps past k1 load zero codes */
+            _mm_prefetch((const char *)(base + k * 64 + 2048), _MM_HINT_T0);
+            for (int u = 0; u < U; u++) {
+                const __m512i v = _mm512_maskz_loadu_epi8(k + u < k1 ? ~(__mmask64)0 : 0, base + (k + u) * 64);
+                for (int f = 0; f < per; f++) {
+                    const __m512i q = per == 1 ? v : _mm512_and_si512(f ? _mm512_srli_epi16(v, f * bits) : v, mask);
+                    const int32_t *xs = xd + ((k + u) * per + f) * 3;
+                    const int i = (u * per + f) * 3;
+                    dpbusd_bcast(&acc[i], q, xs);
+                    dpbusd_bcast(&acc[i + 1], q, xs + 1);
+                    dpbusd_bcast(&acc[i + 2], q, xs + 2);
+                }
+            }
+        }
+        __m512i s0 = _mm512_add_epi32(_mm512_add_epi32(acc[0], acc[3]), _mm512_add_epi32(acc[6], acc[9]));
+        __m512i s1 = _mm512_add_epi32(_mm512_add_epi32(acc[1], acc[4]), _mm512_add_epi32(acc[7], acc[10]));
+        __m512i s2 = _mm512_add_epi32(_mm512_add_epi32(acc[2], acc[5]), _mm512_add_epi32(acc[8], acc[11]));
+        const float ug = unit[blk];
+        __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(s2), _mm512_set1_ps(65536.0f * ug));
+        dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_set1_ps(256.0f * ug), dot);
+        dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_set1_ps(ug), dot);
+        const int64_t side = (t * a->ngroups + g) * 16;
+        const __m512 s = tiled_side(a->scale, a->scale_f32, side);
+        if (a->symmetric) {
+            total = _mm512_fmadd_ps(s, _mm512_add_ps(dot, _mm512_set1_ps(-mid * gsum[blk])), total);
+        } else {
+            total = _mm512_fmadd_ps(s, dot, total);
+            total = _mm512_fmadd_ps(tiled_side(a->offset, a->scale_f32, side), _mm512_set1_ps(gsum[blk]), total);
+        }
+    }
+    const int64_t left = a->rows - t * 16;
+    _mm512_mask_storeu_ps(y + t * 16, left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u), total);
+}
+#endif
+
+API int accel_affine_tiled_matvec(const uint8_t *tiles, int bits, int levels, int symmetric, int scale_f32,
+                                  const void *scale, const void *offset, int64_t rows, int64_t cols, int64_t group,
+                                  const float *x, float *y, int nthreads) {
+    Tiled a;
+    int err = tiled_init(&a, tiles, bits, levels, symmetric, scale_f32, scale, offset, rows, cols, group);
+    if (err) return err;
+    float *gs = group_sums(x, cols, group, a.ngroups);
+    const int64_t ntiles = (rows + 15) / 16;
+    int nt = threads_for(nthreads, (double)rows * cols);
+#if HAVE_VNNI
+    const int per = 8 / bits;
+    int32_t *xd = g_simd ? xalloc((size_t)(a.steps + 4) * per * 3 * sizeof(int32_t)) : NULL; /* + the loop's overrun */
+    float *unit = g_simd ? xalloc((size_t)a.nblocks * 2 * sizeof(float)) : NULL;
+    if (xd && tiled_input(&a, x, xd, unit, unit + a.nblocks)) {
+        const float *gr = unit + a.nblocks;
+#pragma omp parallel for num_threads(nt) schedule(guided, 2)
+        for (int64_t t = 0; t < ntiles; t++) {
+            if (per == 1) tiled_tile_t(&a, t, xd, unit, gr, y, 1);
+            else if (per == 2) tiled_tile_t(&a, t, xd, unit, gr, y, 2);
+            else tiled_tile_t(&a, t, xd, unit, gr, y, 4);
+        }
+        free(xd);
+        free(unit);
+        free(gs);
+        return 0;
+    }
+    free(xd);
+    free(unit);
+#endif
+#pragma omp parallel for num_threads(nt) schedule(guided, 16)
+    for (int64_t r = 0; r < rows; r++) y[r] = tiled_row_float(&a, r, x, gs);
+    free(gs);
+    return 0;
+}
+
+/* rows [r0, r1) of the decoded weight from the tiles, bit-exact with the format's decode (see
+ * accel_affine_decode_rows) */
+API int accel_affine_tiled_decode_rows(const uint8_t *tiles, int bits, int levels, int symmetric, int scale_f32,
+                                       const void *scale, const void *offset, int64_t rows, int64_t cols,
+                                       int64_t group, int64_t r0, int64_t r1, float *out, int nthreads) {
+    Tiled a;
+    int err = tiled_init(&a, tiles, bits, levels, symmetric, scale_f32, scale, offset, rows, cols, group);
+    if (err) return err;
+    if (r0 < 0 || r1 > rows || r0 > r1) return -1;
+    const float mid = 0.5f * (float)(levels - 1);
+    const int per = 8 / bits;
+    const unsigned m = (1u << bits) - 1u;
+    int nt = threads_for(nthreads, (double)(r1 - r0) * cols);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t t = r / 16, lane = r % 16;
+        const uint8_t *src = tiles + t * a.steps * 64 + lane * 4;
+        float *o = out + (r - r0) * cols;
+        for (int64_t g = 0; g < a.ngroups; g++) {
+            const int64_t c0 = g * group, c1 = c0 + group < cols ? c0 + group : cols;
+            const int64_t side = (t * a.ngroups + g) * 16 + lane;
+            const float s = side_value(scale, scale_f32, side);
+            const float off = symmetric ? 0.0f : side_value(offset, scale_f32, side);
+            for (int64_t c = c0; c < c1; c++) {
+                const int64_t b = c / per;
+                const float q = (float)((src[(b / 4) * 64 + b % 4] >> (bits * (c % per))) & m);
+                o[c] = symmetric ? (q - mid) * s : q * s + off; /* two roundings: built with -ffp-contract=off */
+            }
+        }
     }
     return 0;
 }
