@@ -195,10 +195,12 @@ class LeechWeight(KernelWeight):
             alphas.append(float(stage["alpha"]))
         self.streams = streams
         self._lib = library()
-        # 4-plane stages also get a 16-row tile copy of their planes, read with plain loads (accel_kernels.c)
-        tiled = [_planes_tiles(s, self.shape[0], self.cols) if kind == 0 and bits == 4
-                 and self._lib.accel_leech_tiles_available() else None
-                 for s, kind, bits in zip(streams, kinds, params, strict=True)]
+        # 4-plane and onehot stages also get a 16-row tile copy of their bit planes, read with plain loads instead
+        # of gathers (accel_kernels.c); the stored streams stay for decode_rows and the float path
+        tiles_ok = bool(self._lib.accel_leech_tiles_available())
+        tiled = [None if not tiles_ok else _planes_tiles(s, self.shape[0], self.cols) if kind == 0 and n == 4
+                 else _onehot_tiles(s, self.shape[0], self.cols, n + 1) if kind == 1 else None
+                 for s, kind, n in zip(streams, kinds, params, strict=True)]
         self.tiled = [t for t in tiled if t is not None]
         self._tiled_ptrs = (ctypes.c_void_p * len(tiled))(*[None if t is None else t.ctypes.data for t in tiled])
         self.scale = np.ascontiguousarray(parts["scale"]).view(np.uint16)
@@ -248,6 +250,15 @@ def _planes_tiles(stream: np.ndarray, rows: int, cols: int) -> np.ndarray:
     planes[:, :rows, :rowbytes] = stream[: 4 * rows * rowbytes].reshape(4, rows, rowbytes)
     q = planes.reshape(4, ntiles, 2, 8, steps, 2).transpose(1, 4, 2, 3, 5, 0)  # tile, step, half, row, a, plane
     return np.ascontiguousarray(q.reshape(ntiles, steps, 2, 8, 8)[..., ::-1]).reshape(-1)
+
+
+def _onehot_tiles(stream: np.ndarray, rows: int, cols: int, planes: int) -> np.ndarray:
+    """A onehot stage's masks and sign plane as 16-row tiles: [tile][dword][plane][row][4 bytes]."""
+    rowbytes = cols // 8
+    steps, ntiles = -(-rowbytes // 4), -(-rows // 16)
+    p = np.zeros((planes, ntiles * 16, 4 * steps), dtype=np.uint8)
+    p[:, :rows, :rowbytes] = stream[: planes * rows * rowbytes].reshape(planes, rows, rowbytes)
+    return np.ascontiguousarray(p.reshape(planes, ntiles, 16, steps, 4).transpose(1, 3, 0, 2, 4)).reshape(-1)
 
 
 def kernel_weight(entry: TensorEntry, parts: dict[str, np.ndarray]) -> KernelWeight:

@@ -811,6 +811,42 @@ AI void onehot_tile_t(const uint8_t *base, int64_t plane_stride, int64_t rowbyte
         }
 }
 
+/* onehot_tile_t on a 16-row tile copy of the stage (tile[k][plane][16 rows][4 bytes], K masks then the sign, zero
+ * past a row's end): the same bit slicing and lookups, with plain loads instead of K + 1 gathers a step. tab must
+ * cover 4 * ceil(rowbytes / 4) bytes (zero past the row), pm as for onehot_tile_t. */
+AI void onehot_tiled_tile_t(const uint8_t *tile, int64_t steps, int64_t rowbytes, int nr, const uint8_t *pm,
+                            const float *tab, float *out, const int K) {
+    const int nb = onehot_value_bits(K), bits = nb + 1;
+    const __mmask16 lanes = (__mmask16)((1u << nr) - 1u);
+    const __m512i vidx = tile_offsets(rowbytes);
+    __m512 acc[4];
+    for (int j = 0; j < bits; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < steps; k++) {
+        const uint8_t *q = tile + k * (K + 1) * 64;
+        _mm_prefetch((const char *)(q + 2048), _MM_HINT_T0);
+        __m512i M[6], V[4];
+        for (int m = 0; m < K; m++) M[m] = _mm512_loadu_si512(q + m * 64);
+        const __m512i S = _mm512_loadu_si512(q + K * 64);
+        /* the spread parity: bytes past the row are past pm's row too, and meet zero masks (v = 0 there) */
+        const __m512i P = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, vidx, pm + 4 * k, 1);
+        ONEHOT_SLICE(__m512i, _mm512_setzero_si512(), M, P, S, V, K, nb);
+        lookup_dword(V, tab + 128 * k, acc, bits);
+    }
+    store_planes(acc, bits, lanes, out);
+}
+
+static void onehot_tiled_tile(const uint8_t *tile, int64_t steps, int64_t rowbytes, int nr, const uint8_t *pm,
+                              const float *tab, float *out, int K) {
+    switch (K) {
+    case 6: onehot_tiled_tile_t(tile, steps, rowbytes, nr, pm, tab, out, 6); break;
+    case 2: onehot_tiled_tile_t(tile, steps, rowbytes, nr, pm, tab, out, 2); break;
+    case 1: onehot_tiled_tile_t(tile, steps, rowbytes, nr, pm, tab, out, 1); break;
+    case 3: onehot_tiled_tile_t(tile, steps, rowbytes, nr, pm, tab, out, 3); break;
+    case 4: onehot_tiled_tile_t(tile, steps, rowbytes, nr, pm, tab, out, 4); break;
+    default: onehot_tiled_tile_t(tile, steps, rowbytes, nr, pm, tab, out, 5); break;
+    }
+}
+
 static void planes_tile(const uint8_t *base, int64_t stride, int64_t rowbytes, int64_t r0, int nr, const float *tab,
                         float *out, int bits) {
     switch (bits) {
@@ -1027,8 +1063,9 @@ static void leech_rows(const Leech *L, const float *z, const float *zb, float *t
     const int64_t tiles = (L->rows + 15) / 16;
     float *tab = NULL;
 #if HAVE_AVX512
-    if (g_simd) {
-        tab = xalloc((size_t)L->cols * 4 * sizeof(float));
+    if (g_simd) { /* padded to whole dwords of a row (zero): the onehot tile copies read them */
+        tab = xalloc((size_t)(L->cols + 32) * 4 * sizeof(float));
+        memset(tab, 0, (size_t)(L->cols + 32) * 4 * sizeof(float));
         build_tables(z, L->cols, tab);
     }
 #endif
@@ -1049,6 +1086,7 @@ static void leech_rows(const Leech *L, const float *z, const float *zb, float *t
 #pragma omp parallel num_threads(nt)
     {
         uint8_t *pm = xalloc((size_t)(16 * rowbytes + 64));
+        memset(pm, 0, (size_t)(16 * rowbytes + 64));
         float vals[16];
 #pragma omp for schedule(guided, 2) /* runs of tiles: the prefetched next tile is mostly this thread's */
         for (int64_t tile = 0; tile < tiles; tile++) {
@@ -1065,11 +1103,14 @@ static void leech_rows(const Leech *L, const float *z, const float *zb, float *t
 #if HAVE_AVX512
                 if (g_simd) {
 #if HAVE_LEECH_TILES
-                    if (xq && L->tiled[s])
+                    if (xq && L->tiled[s] && !onehot)
                         leech_tiled_tile(L->tiled[s], tsteps, tile, xq, tunit, tunit + (tsteps + 7) / 8, vals);
                     else
 #endif
-                    if (onehot) onehot_tile(base, plane, rowbytes, r0, nr, pm, tab, vals, L->param[s]);
+                    if (onehot && L->tiled[s])
+                        onehot_tiled_tile(L->tiled[s] + tile * ((rowbytes + 3) / 4) * (L->param[s] + 1) * 64,
+                                          (rowbytes + 3) / 4, rowbytes, nr, pm, tab, vals, L->param[s]);
+                    else if (onehot) onehot_tile(base, plane, rowbytes, r0, nr, pm, tab, vals, L->param[s]);
                     else planes_tile(base, plane, rowbytes, r0, nr, tab, vals, L->param[s]);
                     for (int i = 0; i < nr; i++) /* x = 2 v + p */
                         vals[i] = 2.0f * vals[i] + parity_term(par, parbytes, (r0 + i) * L->nblk, L->nblk, zb);
@@ -1106,8 +1147,8 @@ API int accel_leech_matvec(int nstages, const uint8_t *const *streams, const int
     Leech L;
     int err = leech_init(&L, nstages, streams, stream_bytes, layout, param, alpha, scale, rows, cols);
     if (err) return err;
-    for (int s = 0; s < nstages && tiled; s++) /* a tile copy only of a 4-plane stage */
-        L.tiled[s] = layout[s] == LEECH_PLANES && param[s] == 4 ? tiled[s] : NULL;
+    for (int s = 0; s < nstages && tiled; s++) /* tile copies of 4-plane and onehot stages */
+        L.tiled[s] = (layout[s] == LEECH_PLANES && param[s] == 4) || layout[s] == LEECH_ONEHOT ? tiled[s] : NULL;
     if (in_features > cols || in_features < 1 || odd_in < 1 || cols % odd_in || odd_out < 1 || rows % odd_out)
         return -1;
     int64_t big = cols > rows ? cols : rows;
