@@ -119,6 +119,33 @@ def test_affine_tiled_integer_kernel(rng, shape, levels, symmetric, group):
     assert not np.isfinite(kw.matvec(x)).any()
 
 
+@pytest.mark.parametrize("shape", [(1, 23), (17, 200), (40, 1027)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("symmetric,group", [(False, 64), (True, 7), (False, 4096), (True, 45)])
+def test_base3_tile_copy(rng, shape, symmetric, group):
+    """Base-3 codes regrouped by row into 16-row tiles (digits by comparisons, integer products): blocks that do not
+    start on a 20-column step, one group a row, odd widths; decode bit-exact; the float path over the tiles."""
+    lib = _build.library()
+    w = rng.standard_normal(shape)
+    entry, arrays = encode_tensor("w", w, "affine", layout="base", levels=3, group=group, symmetric=symmetric)
+    parts = _parts(entry, arrays)
+    kw = _check_matvec(entry, parts, rng)
+    if not lib.accel_tiled_available():
+        pytest.skip("this CPU or compiler has no AVX-512 VNNI path")
+    assert kw.tiled == "base3"
+    tile = np.full(shape, np.nan, dtype=np.float32)
+    kw.decode_rows_ptr(0, shape[0], tile.ctypes.data)
+    assert np.array_equal(tile, decode_parts(entry, parts))
+    x = rng.standard_normal(shape[1]).astype(np.float32)
+    ref = reference_matvec(entry, parts, x)
+    try:
+        lib.accel_set_simd(0)
+        out_float = kw.matvec(x, np.full(shape[0], np.nan, dtype=np.float32))
+    finally:
+        lib.accel_set_simd(1)
+    bound = np.abs(reference_weight(entry, parts)) @ np.abs(x.astype(np.float64))
+    assert np.linalg.norm(out_float - ref) / np.linalg.norm(bound) < 1e-6
+
+
 def test_affine_float32_scales(simd, rng):
     w = rng.standard_normal((19, 70)) * 1e5  # too large for fp16 scales: the codec stores float32
     for symmetric in (False, True):

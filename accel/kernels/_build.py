@@ -103,6 +103,9 @@ _SIGNATURES = {
                                   _i32),
     "accel_affine_tiled_decode_rows": ([_ptr, _i32, _i32, _i32, _i32, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
                                         _ptr, _i32], _i32),
+    "accel_base3_tiled_matvec": ([_ptr, _i32, _i32, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i32], _i32),
+    "accel_base3_tiled_decode_rows": ([_ptr, _i32, _i32, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i32],
+                                      _i32),
     "accel_copy": ([_ptr, _ptr, _i64, _i32], None),
 }
 

@@ -104,12 +104,19 @@ class AffineWeight(KernelWeight):
         self.offset = None if self.symmetric else np.ascontiguousarray(parts["offset"])
         self.nbytes = int(sum(np.asarray(a).nbytes for a in parts.values()))
         self._lib = library()
-        self.tiled = self._tileable() and bool(self._lib.accel_tiled_available())
+        # a 16-row tile copy for the integer kernels (accel_kernels.c), where the CPU and the shapes allow; it
+        # replaces the stored stream in memory. "packed": 8/4/2-bit codes; "base3": L = 3, regrouped by row
+        self.tiled = None
+        if self._lib.accel_tiled_available():
+            if self._tileable():
+                self.tiled = "packed"
+            elif self.layout == "base" and self.levels == 3 and self.shape[0] > 0 and self.shape[1] > 0:
+                self.tiled = "base3"
         if self.tiled:
             self._make_tiles()
 
     def _tileable(self) -> bool:
-        """8-, 4- or 2-bit packed codes whose groups are whole 4-byte blocks of a row (or one group a row)."""
+        """8-, 4- or 2-bit packed codes whose groups are whole 4-byte steps of a row (or one group a row)."""
         if self.layout != "packed" or self.bits not in (8, 4, 2):
             return False
         per = 8 // self.bits
@@ -118,13 +125,26 @@ class AffineWeight(KernelWeight):
         return (rows > 0 and cols % per == 0 and (ngroups == 1 or self.group % (4 * per) == 0)
                 and self.codes.size == rows * cols // per)
 
-    def _make_tiles(self) -> None:
-        """The 16-row tile copy the integer kernel reads (see accel_kernels.c); it replaces the code stream."""
+    def _row_bytes(self) -> np.ndarray:
+        """(rows, bytes) of each row's codes, starting on a byte: as stored for packed codes; base-3 codes regrouped
+        5 to a byte from each row's first code (digit j weighs 3^j, as in the format)."""
         rows, cols = self.shape
-        nbr, ngroups, ntiles = cols * self.bits // 8, -(-cols // self.group), -(-rows // 16)
+        if self.tiled == "packed":
+            return self.codes.reshape(rows, cols * self.bits // 8)
+        nb = -(-cols // 5)
+        digits = np.zeros((rows, nb * 5), dtype=np.uint8)
+        digits[:, :cols] = bitpack.unpack_base_levels(self.codes, 3, rows * cols).reshape(rows, cols)
+        weights = np.array([1, 3, 9, 27, 81], dtype=np.uint8)
+        return (digits.reshape(rows, nb, 5) * weights).sum(axis=2, dtype=np.uint8)
+
+    def _make_tiles(self) -> None:
+        """The 16-row tile copy [tile][step][row][4 bytes] the integer kernels read; it replaces the code stream."""
+        rows, cols = self.shape
+        row_bytes = self._row_bytes()
+        nbr, ngroups, ntiles = row_bytes.shape[1], -(-cols // self.group), -(-rows // 16)
         steps = -(-nbr // 4)
         tiles = np.zeros((ntiles * 16, steps * 4), dtype=np.uint8)
-        tiles[:rows, :nbr] = self.codes.reshape(rows, nbr)
+        tiles[:rows, :nbr] = row_bytes
         self.codes = np.ascontiguousarray(tiles.reshape(ntiles, 16, steps, 4).transpose(0, 2, 1, 3))
 
         def by_tile(side: np.ndarray) -> np.ndarray:
@@ -136,8 +156,11 @@ class AffineWeight(KernelWeight):
         self.offset = None if self.offset is None else by_tile(self.offset)
 
     def _tiled_args(self) -> tuple:
-        return (ptr(self.codes), self.bits, self.levels, int(self.symmetric), int(self.scale_f32), ptr(self.scale),
-                None if self.offset is None else ptr(self.offset), self.shape[0], self.shape[1], self.group)
+        sides = (int(self.symmetric), int(self.scale_f32), ptr(self.scale),
+                 None if self.offset is None else ptr(self.offset), self.shape[0], self.shape[1], self.group)
+        if self.tiled == "base3":
+            return (ptr(self.codes), *sides)
+        return (ptr(self.codes), self.bits, self.levels, *sides)
 
     def _common(self) -> tuple:
         return (ptr(self.codes), self.codes.size, self.bits, self.levels, self.base_g, self.base_b,
@@ -145,14 +168,20 @@ class AffineWeight(KernelWeight):
                 None if self.offset is None else ptr(self.offset), self.shape[0], self.shape[1], self.group)
 
     def matvec_ptr(self, x, out):
-        if self.tiled:
+        if self.tiled == "base3":
+            _check(self._lib.accel_base3_tiled_matvec(*self._tiled_args(), x, out, _THREADS[0]),
+                   "accel_base3_tiled_matvec")
+        elif self.tiled:
             _check(self._lib.accel_affine_tiled_matvec(*self._tiled_args(), x, out, _THREADS[0]),
                    "accel_affine_tiled_matvec")
         else:
             _check(self._lib.accel_affine_matvec(*self._common(), x, out, _THREADS[0]), "accel_affine_matvec")
 
     def decode_rows_ptr(self, r0, r1, out):
-        if self.tiled:
+        if self.tiled == "base3":
+            _check(self._lib.accel_base3_tiled_decode_rows(*self._tiled_args(), r0, r1, out, _THREADS[0]),
+                   "accel_base3_tiled_decode_rows")
+        elif self.tiled:
             _check(self._lib.accel_affine_tiled_decode_rows(*self._tiled_args(), r0, r1, out, _THREADS[0]),
                    "accel_affine_tiled_decode_rows")
         else:

@@ -1491,6 +1491,232 @@ API int accel_affine_tiled_decode_rows(const uint8_t *tiles, int bits, int level
     return 0;
 }
 
+/* ------------------------------------------------------------------------- affine base-3, 16-row tiles (VNNI) */
+/* A serving copy of `base` codes with L = 3 (5 codes a byte, digit j of weight 3^j), made once at load: each row's
+ * codes regrouped from the row's first code (the stored stream runs its 5-code groups across row ends), ceil(cols /
+ * 5) bytes a row, then interleaved in 16-row tiles as the affine tiles are: tile[t][k][lane][4], step k = bytes
+ * 4k .. 4k+3 (columns 20k .. 20k+19). A byte's digits come out as bytes by comparisons (d = [t >= 2w] + [t >= w],
+ * t -= d w for w = 81, 27, 9, 3), then each digit vector meets the input digits of its columns in vpdpbusd, as in the
+ * affine tiles. Blocks of input (<= 128 columns inside one group) need not start on a step: a step that two blocks
+ * share is read once for each, with each block's own input digits (zero outside the block). */
+
+typedef struct {
+    const uint8_t *tiles;
+    int symmetric, scale_f32;
+    const void *scale, *offset; /* [t][g][16] */
+    int64_t rows, cols, group, ngroups, steps, bw, nblocks;
+} Base3;
+
+static int base3_init(Base3 *a, const uint8_t *tiles, int symmetric, int scale_f32, const void *scale,
+                      const void *offset, int64_t rows, int64_t cols, int64_t group) {
+    if (rows < 0 || cols < 1 || group < 1 || (!symmetric && !offset)) return -1;
+    const int64_t ngroups = (cols + group - 1) / group;
+    int64_t bw = 1;
+    for (int64_t w = 128; w >= 1; w--)
+        if (ngroups == 1 || group % w == 0) {
+            bw = w;
+            break;
+        }
+    *a = (Base3){tiles, symmetric, scale_f32, scale, offset, rows, cols, group, ngroups, ((cols + 4) / 5 + 3) / 4, bw,
+                 (cols + bw - 1) / bw};
+    return 0;
+}
+
+static inline unsigned base3_code(const Base3 *a, int64_t r, int64_t c) {
+    const int64_t b = c / 5;
+    unsigned byte = a->tiles[((r / 16) * a->steps + b / 4) * 64 + (r % 16) * 4 + b % 4];
+    for (int64_t j = c % 5; j > 0; j--) byte /= 3;
+    return byte % 3;
+}
+
+static float base3_row_float(const Base3 *a, int64_t r, const float *x, const float *gsum) {
+    const int64_t t = r / 16, lane = r % 16;
+    float total = 0.0f;
+    for (int64_t g = 0; g < a->ngroups; g++) {
+        const int64_t c0 = g * a->group, c1 = c0 + a->group < a->cols ? c0 + a->group : a->cols;
+        const int64_t side = (t * a->ngroups + g) * 16 + lane;
+        float d = 0.0f;
+        for (int64_t c = c0; c < c1; c++) d += (float)base3_code(a, r, c) * x[c];
+        const float s = side_value(a->scale, a->scale_f32, side);
+        total += s * d + (a->symmetric ? -s : side_value(a->offset, a->scale_f32, side)) * gsum[g];
+    }
+    return total;
+}
+
+#if HAVE_VNNI
+/* input digits per block: xd + xoff[b] holds, for each step k the block touches (from its first, k0 = c0 / 20),
+ * 15 dwords [(k - k0) * 15 + j * 3 + p]: piece p of the inputs of columns 20k + 5i + j, i = 0..3 */
+static int base3_input(const Base3 *a, const float *x, int32_t *xd, const int64_t *xoff, float *unit, float *gsum) {
+    for (int64_t b = 0; b < a->nblocks; b++) {
+        const int64_t c0 = b * a->bw, c1 = c0 + a->bw < a->cols ? c0 + a->bw : a->cols;
+        __m512 vmax = _mm512_setzero_ps();
+        __mmask16 bad = 0;
+        for (int64_t c = c0; c < c1; c += 16) {
+            const __mmask16 m = c1 - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (c1 - c)) - 1u);
+            const __m512 v = _mm512_maskz_loadu_ps(m, x + c);
+            bad |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+        }
+        const float mx = _mm512_reduce_max_ps(vmax);
+        if (bad || !isfinite(mx)) return 0;
+        int ex = 0;
+        if (mx > 0.0f) frexpf(mx, &ex);
+        if (ex - 22 < -126 || ex - 22 > 127) return 0;
+        const __m512 fac = _mm512_set1_ps(ldexpf(1.0f, 22 - ex));
+        unit[b] = ldexpf(1.0f, ex - 22);
+        int8_t *d = (int8_t *)(xd + xoff[b]);
+        memset(d, 0, (size_t)(xoff[b + 1] - xoff[b]) * sizeof(int32_t));
+        const int64_t k0 = c0 / 20;
+        __m512i vsum = _mm512_setzero_si512();
+        for (int64_t c = c0; c < c1; c += 16) {
+            const int64_t n = c1 - c >= 16 ? 16 : c1 - c;
+            const __m512i X = _mm512_cvtps_epi32(
+                _mm512_mul_ps(_mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1u), x + c), fac));
+            vsum = _mm512_add_epi32(vsum, X);
+            const __m512i X0 = _mm512_srai_epi32(_mm512_slli_epi32(X, 24), 24);
+            const __m512i R = _mm512_srai_epi32(_mm512_sub_epi32(X, X0), 8);
+            const __m512i X1 = _mm512_srai_epi32(_mm512_slli_epi32(R, 24), 24);
+            const __m512i X2 = _mm512_srai_epi32(_mm512_sub_epi32(R, X1), 8);
+            int8_t q[3][16];
+            _mm_storeu_si128((__m128i *)q[0], _mm512_cvtepi32_epi8(X0));
+            _mm_storeu_si128((__m128i *)q[1], _mm512_cvtepi32_epi8(X1));
+            _mm_storeu_si128((__m128i *)q[2], _mm512_cvtepi32_epi8(X2));
+            for (int64_t i = 0; i < n; i++) {
+                const int64_t col = c + i, k = col / 20, within = col % 20;
+                int8_t *at = d + ((k - k0) * 15 + (within % 5) * 3) * 4 + within / 5;
+                at[0] = q[0][i];
+                at[4] = q[1][i];
+                at[8] = q[2][i];
+            }
+        }
+        gsum[b] = (float)((double)_mm512_reduce_add_epi32(vsum) * (double)unit[b]);
+    }
+    return 1;
+}
+
+static void base3_tile(const Base3 *a, int64_t t, const int32_t *xd, const int64_t *xoff, const float *unit,
+                       const float *gsum, float *y) {
+    const uint8_t *base = a->tiles + t * a->steps * 64;
+    const __m512i one = _mm512_set1_epi8(1), two = _mm512_set1_epi8(2);
+    const int64_t per_group = a->ngroups == 1 ? a->nblocks : a->group / a->bw;
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t b = 0, g = 0, in_g = 0; b < a->nblocks; b++, in_g++) {
+        if (in_g == per_group) {
+            g++;
+            in_g = 0;
+        }
+        const int64_t c0 = b * a->bw, c1 = c0 + a->bw < a->cols ? c0 + a->bw : a->cols;
+        const int64_t k0 = c0 / 20, k1 = (c1 - 1) / 20 + 1;
+        const int32_t *xb = xd + xoff[b];
+        __m512i acc[15];
+        for (int i = 0; i < 15; i++) acc[i] = _mm512_setzero_si512();
+        for (int64_t k = k0; k < k1; k++) {
+            _mm_prefetch((const char *)(base + k * 64 + 2048), _MM_HINT_T0);
+            __m512i tv = _mm512_loadu_si512(base + k * 64), dig[5];
+            static const int w[5] = {1, 3, 9, 27, 81};
+            for (int j = 4; j >= 1; j--) {
+                const __mmask64 m1 = _mm512_cmpge_epu8_mask(tv, _mm512_set1_epi8((char)w[j]));
+                const __mmask64 m2 = _mm512_cmpge_epu8_mask(tv, _mm512_set1_epi8((char)(2 * w[j])));
+                dig[j] = _mm512_mask_mov_epi8(_mm512_maskz_mov_epi8(m1, one), m2, two);
+                tv = _mm512_mask_sub_epi8(tv, m1, tv, _mm512_set1_epi8((char)w[j]));
+                tv = _mm512_mask_sub_epi8(tv, m2, tv, _mm512_set1_epi8((char)w[j]));
+            }
+            dig[0] = tv;
+            const int32_t *xs = xb + (k - k0) * 15;
+            for (int j = 0; j < 5; j++) {
+                dpbusd_bcast(&acc[j * 3], dig[j], xs + j * 3);
+                dpbusd_bcast(&acc[j * 3 + 1], dig[j], xs + j * 3 + 1);
+                dpbusd_bcast(&acc[j * 3 + 2], dig[j], xs + j * 3 + 2);
+            }
+        }
+        __m512i s[3];
+        for (int p = 0; p < 3; p++)
+            s[p] = _mm512_add_epi32(_mm512_add_epi32(_mm512_add_epi32(acc[p], acc[3 + p]),
+                                                     _mm512_add_epi32(acc[6 + p], acc[9 + p])),
+                                    acc[12 + p]);
+        const float ug = unit[b];
+        __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(s[2]), _mm512_set1_ps(65536.0f * ug));
+        dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[1]), _mm512_set1_ps(256.0f * ug), dot);
+        dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[0]), _mm512_set1_ps(ug), dot);
+        const int64_t side = (t * a->ngroups + g) * 16;
+        const __m512 sc = tiled_side(a->scale, a->scale_f32, side);
+        if (a->symmetric) { /* q - (L - 1) / 2 = q - 1 */
+            total = _mm512_fmadd_ps(sc, _mm512_sub_ps(dot, _mm512_set1_ps(gsum[b])), total);
+        } else {
+            total = _mm512_fmadd_ps(sc, dot, total);
+            total = _mm512_fmadd_ps(tiled_side(a->offset, a->scale_f32, side), _mm512_set1_ps(gsum[b]), total);
+        }
+    }
+    const int64_t left = a->rows - t * 16;
+    _mm512_mask_storeu_ps(y + t * 16, left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u), total);
+}
+#endif
+
+API int accel_base3_tiled_matvec(const uint8_t *tiles, int symmetric, int scale_f32, const void *scale,
+                                 const void *offset, int64_t rows, int64_t cols, int64_t group, const float *x,
+                                 float *y, int nthreads) {
+    Base3 a;
+    int err = base3_init(&a, tiles, symmetric, scale_f32, scale, offset, rows, cols, group);
+    if (err) return err;
+    float *gs = group_sums(x, cols, group, a.ngroups);
+    const int64_t ntiles = (rows + 15) / 16;
+    int nt = threads_for(nthreads, (double)rows * cols);
+#if HAVE_VNNI
+    if (g_simd) {
+        int64_t *xoff = xalloc((size_t)(a.nblocks + 1) * sizeof(int64_t));
+        xoff[0] = 0;
+        for (int64_t b = 0; b < a.nblocks; b++) {
+            const int64_t c0 = b * a.bw, c1 = c0 + a.bw < cols ? c0 + a.bw : cols;
+            xoff[b + 1] = xoff[b] + ((c1 - 1) / 20 + 1 - c0 / 20) * 15;
+        }
+        int32_t *xd = xalloc((size_t)xoff[a.nblocks] * sizeof(int32_t));
+        float *unit = xalloc((size_t)a.nblocks * 2 * sizeof(float));
+        const int ok = base3_input(&a, x, xd, xoff, unit, unit + a.nblocks);
+        if (ok) {
+#pragma omp parallel for num_threads(nt) schedule(guided, 2)
+            for (int64_t t = 0; t < ntiles; t++) base3_tile(&a, t, xd, xoff, unit, unit + a.nblocks, y);
+        }
+        free(xoff);
+        free(xd);
+        free(unit);
+        if (ok) {
+            free(gs);
+            return 0;
+        }
+    }
+#endif
+#pragma omp parallel for num_threads(nt) schedule(guided, 16)
+    for (int64_t r = 0; r < rows; r++) y[r] = base3_row_float(&a, r, x, gs);
+    free(gs);
+    return 0;
+}
+
+API int accel_base3_tiled_decode_rows(const uint8_t *tiles, int symmetric, int scale_f32, const void *scale,
+                                      const void *offset, int64_t rows, int64_t cols, int64_t group, int64_t r0,
+                                      int64_t r1, float *out, int nthreads) {
+    Base3 a;
+    int err = base3_init(&a, tiles, symmetric, scale_f32, scale, offset, rows, cols, group);
+    if (err) return err;
+    if (r0 < 0 || r1 > rows || r0 > r1) return -1;
+    int nt = threads_for(nthreads, (double)(r1 - r0) * cols);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t t = r / 16, lane = r % 16;
+        float *o = out + (r - r0) * cols;
+        for (int64_t g = 0; g < a.ngroups; g++) {
+            const int64_t c0 = g * group, c1 = c0 + group < cols ? c0 + group : cols;
+            const int64_t side = (t * a.ngroups + g) * 16 + lane;
+            const float s = side_value(scale, scale_f32, side);
+            const float off = symmetric ? 0.0f : side_value(offset, scale_f32, side);
+            for (int64_t c = c0; c < c1; c++) {
+                const float q = (float)base3_code(&a, r, c);
+                o[c] = symmetric ? (q - 1.0f) * s : q * s + off; /* two roundings: built with -ffp-contract=off */
+            }
+        }
+    }
+    return 0;
+}
+
 /* -------------------------------------------------------------------------------------------- bandwidth */
 
 /* dst <- src with every thread copying its own contiguous slice; the copy bandwidth bench/gemv.py compares to */
