@@ -164,12 +164,20 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--kernels", default=",".join(KERNELS), help="comma-separated subset of " + ",".join(KERNELS))
     ap.add_argument("--footprint", type=int, default=256, help="MiB of weight copies cycled per timed kernel")
+    ap.add_argument("--shapes", help="comma-separated subset such as 4096x4096,14336x4096 (default: all)")
     args = ap.parse_args()
     kernels = [k for k in args.kernels.split(",") if k]
     unknown = sorted(set(kernels) - set(KERNELS))
     if unknown:
         ap.error(f"unknown kernels {unknown}")
     shapes = QUICK_SHAPES if args.quick else SHAPES
+    if args.shapes:
+        try:
+            shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",") if s]
+        except ValueError:
+            ap.error(f"--shapes: expected ROWSxCOLS[,ROWSxCOLS...], got {args.shapes!r}")
+        if any(len(s) != 2 or min(s) < 1 for s in shapes):
+            ap.error(f"--shapes: expected ROWSxCOLS[,ROWSxCOLS...], got {args.shapes!r}")
     result = run(shapes, kernels, args.threads, 0.2 if args.quick else 1.0, args.footprint * 2**20)
     result["load_average"] = os.getloadavg()
     print(table(result))

@@ -194,7 +194,22 @@ def test_leech_tiles_of_many_rows(simd, rng):
         _check_matvec(entry, _parts(entry, arrays), rng)
 
 
-@pytest.mark.parametrize("n", [1, 8, 23, 24, 96, 576, 1536, 4104])
+@pytest.mark.parametrize("cols", [744, 1104, 4100], ids=lambda c: f"cols{c}")
+def test_leech_matvec_odd_rotations(simd, rng, cols):
+    """Input transforms whose odd factor is a dense rotation large enough to be split between threads: 744 = 8 * 93
+    (the narrow path for 8-wide vectors), 1104 = 16 * 69 (eight rows a block), 4104 = 8 * 513 (as for 4096)."""
+    from accel.kernels import set_threads
+
+    w = rng.standard_normal((21, cols))
+    entry, arrays = encode_tensor("w", w, "leech", layout="planes", shells=(13,), seed_in=6, seed_out=7)
+    set_threads(2)
+    try:
+        _check_matvec(entry, _parts(entry, arrays), rng)
+    finally:
+        set_threads(0)
+
+
+@pytest.mark.parametrize("n", [1, 8, 23, 24, 96, 432, 576, 1104, 1536, 4104])
 def test_rht_matches_numpy(rng, n, simd):
     from accel.kernels.weights import ptr
     from accel.quantize.incoherence import _factors, split_size

@@ -225,10 +225,15 @@ class LeechWeight(KernelWeight):
         self.streams = streams
         self._lib = library()
         # 4-plane and onehot stages also get a 16-row tile copy of their bit planes, read with plain loads instead
-        # of gathers (accel_kernels.c); the stored streams stay for decode_rows and the float path
+        # of gathers, followed by a tile copy of their parity bits (accel_kernels.c); the stored streams stay for
+        # decode_rows and the float path
         tiles_ok = bool(self._lib.accel_leech_tiles_available())
-        tiled = [None if not tiles_ok else _planes_tiles(s, self.shape[0], self.cols) if kind == 0 and n == 4
-                 else _onehot_tiles(s, self.shape[0], self.cols, n + 1) if kind == 1 else None
+        tiled = [None if not tiles_ok else np.concatenate([
+                     _planes_tiles(s, self.shape[0], self.cols) if kind == 0
+                     else _onehot_tiles(s, self.shape[0], self.cols, n + 1),
+                     _parity_tiles(s[(n + kind) * 3 * self.shape[0] * (self.cols // 24):], self.shape[0],
+                                   self.cols // 24)])
+                 if kind == 1 or n == 4 else None
                  for s, kind, n in zip(streams, kinds, params, strict=True)]
         self.tiled = [t for t in tiled if t is not None]
         self._tiled_ptrs = (ctypes.c_void_p * len(tiled))(*[None if t is None else t.ctypes.data for t in tiled])
@@ -288,6 +293,17 @@ def _onehot_tiles(stream: np.ndarray, rows: int, cols: int, planes: int) -> np.n
     p = np.zeros((planes, ntiles * 16, 4 * steps), dtype=np.uint8)
     p[:, :rows, :rowbytes] = stream[: planes * rows * rowbytes].reshape(planes, rows, rowbytes)
     return np.ascontiguousarray(p.reshape(planes, ntiles, 16, steps, 4).transpose(1, 3, 0, 2, 4)).reshape(-1)
+
+
+def _parity_tiles(parity: np.ndarray, rows: int, nblk: int) -> np.ndarray:
+    """A stage's parity bits (one per row and 24-column block, LSB first) as 16-row tiles: [tile][word][row] uint32,
+    word k holding blocks 32 k .. 32 k + 31 of the row (zero past the row and past the last row)."""
+    words, ntiles = -(-nblk // 32), -(-rows // 16)
+    bits = np.zeros((ntiles * 16, words * 32), dtype=np.uint8)
+    bits[:rows, :nblk] = np.unpackbits(parity[: -(-rows * nblk // 8)], bitorder="little")[: rows * nblk].reshape(
+        rows, nblk)
+    packed = np.packbits(bits, axis=1, bitorder="little").view("<u4")  # [row][word]
+    return np.ascontiguousarray(packed.reshape(ntiles, 16, words).transpose(0, 2, 1)).view(np.uint8).reshape(-1)
 
 
 def kernel_weight(entry: TensorEntry, parts: dict[str, np.ndarray]) -> KernelWeight:

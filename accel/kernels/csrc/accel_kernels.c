@@ -140,30 +140,86 @@ static void fwht(float *v, int64_t n) {
 
 static int g_rht_threads = 1; /* threads of a single transform's rotation (set by the fused matvec) */
 
-/* dst (m x P) = mat (m x m) . src (m x P): four output rows at a time, so four FMA chains share each load */
+static void thread_range(int64_t n, int64_t *t0, int64_t *t1);
+#if HAVE_AVX512
+/* rotate for P = 8 (as for 4104 = 8 * 513 columns), where a vector of P floats would leave half its lanes idle: src
+ * is transposed once (8 x m, in L1), then each output element is a dot product of a matrix row with a transposed
+ * column, 16 columns a load, two rows at a time (16 independent sums). The matrix is the traffic (1 MB for m = 513):
+ * a thread takes the two halves of its rows in turn, two memory streams. */
+static void rotate_narrow(const float *mat, int64_t m, const float *src, float *dst) {
+    const int64_t m16 = (m + 15) / 16 * 16;
+    float *st = xalloc((size_t)(8 * m16) * sizeof(float));
+    memset(st, 0, (size_t)(8 * m16) * sizeof(float));
+    for (int64_t j = 0; j < m; j++)
+        for (int64_t p = 0; p < 8; p++) st[p * m16 + j] = src[j * 8 + p];
+    int nt = threads_for(g_rht_threads, (double)m * m * 8);
+#pragma omp parallel num_threads(nt)
+    {
+        int64_t b0, b1;
+        thread_range((m + 1) / 2, &b0, &b1);
+        const int64_t half = (b1 - b0 + 1) / 2;
+        for (int64_t n = 0; n < b1 - b0; n++) {
+            const int64_t i0 = 2 * (b0 + (n % 2 ? half + n / 2 : n / 2)), i1 = i0 + 1 < m ? i0 + 1 : i0;
+            __m512 acc[16];
+#pragma GCC unroll 16
+            for (int q = 0; q < 16; q++) acc[q] = _mm512_setzero_ps();
+            for (int64_t j = 0; j < m16; j += 16) {
+                const __mmask16 km = m - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (m - j)) - 1u);
+                _mm_prefetch((const char *)(mat + i0 * m + j + 1024), _MM_HINT_T0);
+                _mm_prefetch((const char *)(mat + i1 * m + j + 1024), _MM_HINT_T0);
+                const __m512 a = _mm512_maskz_loadu_ps(km, mat + i0 * m + j);
+                const __m512 b = _mm512_maskz_loadu_ps(km, mat + i1 * m + j);
+#pragma GCC unroll 8
+                for (int p = 0; p < 8; p++) {
+                    const __m512 sv = _mm512_load_ps(st + p * m16 + j);
+                    acc[p] = _mm512_fmadd_ps(a, sv, acc[p]);
+                    acc[8 + p] = _mm512_fmadd_ps(b, sv, acc[8 + p]);
+                }
+            }
+            float sums[16];
+#pragma GCC unroll 16
+            for (int q = 0; q < 16; q++) sums[q] = hsum(acc[q]); /* every accumulator: no dynamic index */
+            for (int p = 0; p < 8; p++) dst[i0 * 8 + p] = sums[p];
+            if (i1 != i0)
+                for (int p = 0; p < 8; p++) dst[i1 * 8 + p] = sums[8 + p];
+        }
+    }
+    free(st);
+}
+#endif
+
+/* dst (m x P) = mat (m x m) . src (m x P). P = 8: rotate_narrow. P a multiple of 16: eight output rows at a time,
+ * so eight independent FMA chains share each load of src (src stays in L1 or L2; the matrix streams as 8 rows) */
 static void rotate(const float *mat, int64_t m, int64_t P, const float *src, float *dst) {
 #if HAVE_AVX512
-    if (g_simd && P % 8 == 0) {
+    if (g_simd && P == 8) {
+        rotate_narrow(mat, m, src, dst);
+        return;
+    }
+    if (g_simd && P % 16 == 0) {
         int nt = threads_for(g_rht_threads, (double)m * m * P);
 #pragma omp parallel for num_threads(nt) schedule(static)
-        for (int64_t ib = 0; ib < (m + 3) / 4; ib++) {
-            const int64_t i0 = ib * 4;
-            const float *r0 = mat + i0 * m, *r1 = mat + (i0 + 1 < m ? i0 + 1 : m - 1) * m,
-                        *r2 = mat + (i0 + 2 < m ? i0 + 2 : m - 1) * m, *r3 = mat + (i0 + 3 < m ? i0 + 3 : m - 1) * m;
+        for (int64_t ib = 0; ib < (m + 7) / 8; ib++) {
+            const int64_t i0 = ib * 8;
+            const float *r[8];
+            for (int q = 0; q < 8; q++) r[q] = mat + (i0 + q < m ? i0 + q : m - 1) * m;
             for (int64_t k = 0; k < P; k += 16) {
-                const __mmask16 km = P - k >= 16 ? (__mmask16)0xffff : (__mmask16)0xff;
-                __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                __m512 acc[8];
+#pragma GCC unroll 8
+                for (int q = 0; q < 8; q++) acc[q] = _mm512_setzero_ps();
                 for (int64_t j = 0; j < m; j++) {
-                    const __m512 v = _mm512_maskz_loadu_ps(km, src + j * P + k);
-                    a0 = _mm512_fmadd_ps(_mm512_set1_ps(r0[j]), v, a0);
-                    a1 = _mm512_fmadd_ps(_mm512_set1_ps(r1[j]), v, a1);
-                    a2 = _mm512_fmadd_ps(_mm512_set1_ps(r2[j]), v, a2);
-                    a3 = _mm512_fmadd_ps(_mm512_set1_ps(r3[j]), v, a3);
+                    if (!(j & 15) && k == 0) /* each row's line 1 KB ahead, and the next 8 rows' lines into L2 */
+                        for (int q = 0; q < 8; q++) {
+                            _mm_prefetch((const char *)(r[q] + j + 256), _MM_HINT_T0);
+                            _mm_prefetch((const char *)(r[q] + 8 * m + j), _MM_HINT_T2);
+                        }
+                    const __m512 v = _mm512_loadu_ps(src + j * P + k);
+#pragma GCC unroll 8
+                    for (int q = 0; q < 8; q++) acc[q] = _mm512_fmadd_ps(_mm512_set1_ps(r[q][j]), v, acc[q]);
                 }
-                _mm512_mask_storeu_ps(dst + i0 * P + k, km, a0);
-                if (i0 + 1 < m) _mm512_mask_storeu_ps(dst + (i0 + 1) * P + k, km, a1);
-                if (i0 + 2 < m) _mm512_mask_storeu_ps(dst + (i0 + 2) * P + k, km, a2);
-                if (i0 + 3 < m) _mm512_mask_storeu_ps(dst + (i0 + 3) * P + k, km, a3);
+#pragma GCC unroll 8
+                for (int q = 0; q < 8; q++)
+                    if (i0 + q < m) _mm512_storeu_ps(dst + (i0 + q) * P + k, acc[q]);
             }
         }
         return;
@@ -288,6 +344,23 @@ static float affine_row_generic(const Affine *a, int64_t r, const float *x, cons
 
 /* a 16-bit mask straight from memory: kmovw k, m16 is a load, while the compiler's own choice (a GPR load, then
  * kmovw k, r32) spends a vector-port uop per mask, which the masked adds need */
+/* Streaming a weight from memory. One sequential stream per core reads at about 30 GB/s on two cores here, two
+ * streams at about 46 (the large-copy bandwidth): the hardware prefetchers track a few lines ahead of each stream,
+ * and one stream keeps too few misses in flight. So a thread that walks its tiles in order reads each line of the
+ * current tile 4 KB ahead into L1 and, at the same offset, the line of its next tile into L2: the next tile streams
+ * in while the current one is read, and is an L2 hit when its turn comes (tiles are <= a few hundred KB; L2 is 2
+ * MB). bench/gemv.py measures the effect. */
+AI void prefetch_line(const uint8_t *p, int64_t ahead) {
+    _mm_prefetch((const char *)(p + 4096), _MM_HINT_T0);
+    if (ahead) _mm_prefetch((const char *)(p + ahead), _MM_HINT_T2);
+}
+/* [*t0, *t1): this thread's share of n items, contiguous, in thread order */
+static void thread_range(int64_t n, int64_t *t0, int64_t *t1) {
+    const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+    *t0 = n * id / nt;
+    *t1 = n * (id + 1) / nt;
+}
+
 AI __mmask16 ldmask(const uint8_t *p) {
     __mmask16 k;
     __asm__("kmovw %1, %0" : "=k"(k) : "m"(*(const uint16_t *)p));
@@ -647,6 +720,26 @@ static float parity_term(const uint8_t *par, int64_t parbytes, int64_t first, in
     return total;
 }
 
+#if HAVE_AVX512
+/* out[i] = the parity term of the 16 rows of a tile from its parity tile copy ([word][row] uint32, word k = blocks
+ * 32 k .. 32 k + 31 of the row): nibble n of a word indexes ptab's table 8 k + n of the subset sums of zb over its 4
+ * blocks (vpermps reads the low 4 bits of a lane, so a shift is the whole decode): 3 operations per 4 blocks of 16
+ * rows, where parity_term takes about 10 per 16 blocks of one row. */
+static void parity_tiled(const uint32_t *pt, int64_t words, const float *ptab, float *out) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    for (int64_t k = 0; k < words; k++) {
+        const __m512i v = _mm512_loadu_si512(pt + 16 * k);
+        const float *tb = ptab + 128 * k;
+        for (int n = 0; n < 8; n += 2) {
+            a0 = _mm512_add_ps(a0, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4 * n), _mm512_loadu_ps(tb + 16 * n)));
+            a1 = _mm512_add_ps(a1, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4 * n + 4),
+                                                         _mm512_loadu_ps(tb + 16 * n + 16)));
+        }
+    }
+    _mm512_storeu_ps(out, _mm512_add_ps(a0, a1));
+}
+#endif
+
 /* A onehot stage is turned into planes on the fly, bit-sliced (each operation handles 32 coordinates of 16 rows):
  * with m = sum_k k [mask k], p the parity and s the sign, x = (1 - 2 s)(2 m + p) = 2 v + p for
  * v = s ? -(m + p) : m, computed as u = m + (p & s), v = (u ^ s) + s in two's complement on nb + 1 bits
@@ -816,6 +909,7 @@ AI void onehot_tile_t(const uint8_t *base, int64_t plane_stride, int64_t rowbyte
  * cover 4 * ceil(rowbytes / 4) bytes (zero past the row), pm as for onehot_tile_t. */
 AI void onehot_tiled_tile_t(const uint8_t *tile, int64_t steps, int64_t rowbytes, int nr, const uint8_t *pm,
                             const float *tab, float *out, const int K) {
+    const int64_t ahead = steps * (K + 1) * 64; /* the next tile */
     const int nb = onehot_value_bits(K), bits = nb + 1;
     const __mmask16 lanes = (__mmask16)((1u << nr) - 1u);
     const __m512i vidx = tile_offsets(rowbytes);
@@ -823,7 +917,7 @@ AI void onehot_tiled_tile_t(const uint8_t *tile, int64_t steps, int64_t rowbytes
     for (int j = 0; j < bits; j++) acc[j] = _mm512_setzero_ps();
     for (int64_t k = 0; k < steps; k++) {
         const uint8_t *q = tile + k * (K + 1) * 64;
-        _mm_prefetch((const char *)(q + 2048), _MM_HINT_T0);
+        for (int m = 0; m <= K; m++) prefetch_line(q + m * 64, ahead);
         __m512i M[6], V[4];
         for (int m = 0; m < K; m++) M[m] = _mm512_loadu_si512(q + m * 64);
         const __m512i S = _mm512_loadu_si512(q + K * 64);
@@ -1016,14 +1110,15 @@ static void leech_tiled_tile(const uint8_t *tiles, int64_t steps, int64_t t, con
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
     __m512 total = _mm512_setzero_ps();
-    const int64_t nblocks = (steps + 7) / 8;
-    for (int64_t b = 0; b < nblocks; b++) {
+    const int64_t nblocks = (steps + 7) / 8, half = (nblocks + 1) / 2;
+    for (int64_t bi = 0; bi < nblocks; bi++) { /* the two halves of the tile in turn: two memory streams */
+        const int64_t b = bi % 2 ? half + bi / 2 : bi / 2;
         const int64_t k1 = b * 8 + 8 < steps ? b * 8 + 8 : steps;
         __m512i acc[12]; /* [half][low/high nibble][piece] */
         for (int i = 0; i < 12; i++) acc[i] = _mm512_setzero_si512();
         for (int64_t k = b * 8; k < k1; k++) {
-            _mm_prefetch((const char *)(base + k * 128 + 2048), _MM_HINT_T0);
-            _mm_prefetch((const char *)(base + k * 128 + 2112), _MM_HINT_T0);
+            prefetch_line(base + k * 128, steps * 128); /* and the next tile's line */
+            prefetch_line(base + k * 128 + 64, steps * 128);
             const int64_t *xs = xq + k * 6;
             __m512i xl[3], xh[3];
             for (int p = 0; p < 3; p++) {
@@ -1062,15 +1157,9 @@ static void leech_rows(const Leech *L, const float *z, const float *zb, float *t
     const int64_t n = L->rows * L->nblk, plane = 3 * n, rowbytes = 3 * L->nblk, parbytes = (n + 7) / 8;
     const int64_t tiles = (L->rows + 15) / 16;
     float *tab = NULL;
-#if HAVE_AVX512
-    if (g_simd) { /* padded to whole dwords of a row (zero): the onehot tile copies read them */
-        tab = xalloc((size_t)(L->cols + 32) * 4 * sizeof(float));
-        memset(tab, 0, (size_t)(L->cols + 32) * 4 * sizeof(float));
-        build_tables(z, L->cols, tab);
-    }
-#endif
+    int need_tab = 1; /* the lookup tables: for every stage that the integer tile kernel does not take */
+    const int64_t tsteps = (rowbytes + 1) / 2; /* of a 4-plane tile copy */
 #if HAVE_LEECH_TILES
-    const int64_t tsteps = (rowbytes + 1) / 2;
     int64_t *xq = NULL;
     float *tunit = NULL;
     if (g_simd && (L->tiled[0] || (L->nstages > 1 && L->tiled[1]))) {
@@ -1081,7 +1170,29 @@ static void leech_rows(const Leech *L, const float *z, const float *zb, float *t
             xq = NULL;
         }
     }
+    if (xq) {
+        need_tab = 0;
+        for (int s = 0; s < L->nstages; s++) need_tab |= !L->tiled[s] || L->layout[s] == LEECH_ONEHOT;
+    }
 #endif
+    float *ptab = NULL; /* parity tables for the tile copies' parity words */
+    const int64_t pwords = (L->nblk + 31) / 32;
+#if HAVE_AVX512
+    if (g_simd && (L->tiled[0] || (L->nstages > 1 && L->tiled[1]))) {
+        float *zbp = xalloc((size_t)pwords * 32 * sizeof(float));
+        memset(zbp, 0, (size_t)pwords * 32 * sizeof(float));
+        memcpy(zbp, zb, (size_t)L->nblk * sizeof(float));
+        ptab = xalloc((size_t)pwords * 128 * sizeof(float));
+        build_tables(zbp, pwords * 32, ptab);
+        free(zbp);
+    }
+    if (g_simd && need_tab) { /* padded to whole dwords of a row (zero): the onehot tile copies read them */
+        tab = xalloc((size_t)(L->cols + 32) * 4 * sizeof(float));
+        memset(tab, 0, (size_t)(L->cols + 32) * 4 * sizeof(float));
+        build_tables(z, L->cols, tab);
+    }
+#endif
+    (void)need_tab;
     int nt = threads_for(nthreads, (double)L->rows * L->cols);
 #pragma omp parallel num_threads(nt)
     {
@@ -1112,8 +1223,15 @@ static void leech_rows(const Leech *L, const float *z, const float *zb, float *t
                                           (rowbytes + 3) / 4, rowbytes, nr, pm, tab, vals, L->param[s]);
                     else if (onehot) onehot_tile(base, plane, rowbytes, r0, nr, pm, tab, vals, L->param[s]);
                     else planes_tile(base, plane, rowbytes, r0, nr, tab, vals, L->param[s]);
-                    for (int i = 0; i < nr; i++) /* x = 2 v + p */
-                        vals[i] = 2.0f * vals[i] + parity_term(par, parbytes, (r0 + i) * L->nblk, L->nblk, zb);
+                    if (L->tiled[s]) { /* x = 2 v + p, p from the parity words after the tiles */
+                        const int64_t tbytes = onehot ? ((rowbytes + 3) / 4) * (L->param[s] + 1) * 64 : tsteps * 128;
+                        float pv[16];
+                        parity_tiled((const uint32_t *)(L->tiled[s] + tiles * tbytes) + tile * pwords * 16, pwords,
+                                     ptab, pv);
+                        for (int i = 0; i < nr; i++) vals[i] = 2.0f * vals[i] + pv[i];
+                    } else
+                        for (int i = 0; i < nr; i++)
+                            vals[i] = 2.0f * vals[i] + parity_term(par, parbytes, (r0 + i) * L->nblk, L->nblk, zb);
                 } else
 #endif
                 {
@@ -1131,6 +1249,7 @@ static void leech_rows(const Leech *L, const float *z, const float *zb, float *t
         free(pm);
     }
     free(tab);
+    free(ptab);
 #if HAVE_LEECH_TILES
     free(xq);
     free(tunit);
@@ -1373,9 +1492,10 @@ AI void dpbusd_bcast(__m512i *acc, __m512i q, const int32_t *x) {
 
 /* the 16 rows of tile t; per = codes a byte (1, 2, 4); 4 / per blocks an iteration, so 12 independent sums */
 AI void tiled_tile_t(const Tiled *a, int64_t t, const int32_t *xd, const float *unit, const float *gsum, float *y,
-                     const int per) {
+                     const int per, const uint8_t *next) {
     const int U = 4 / per, bits = 8 / per;
     const uint8_t *base = a->tiles + t * a->steps * 64;
+    const int64_t ahead = next ? next - base : 0;
     const __m512i mask = _mm512_set1_epi8((char)((1 << bits) - 1));
     const float mid = 0.5f * (float)(a->levels - 1);
     __m512 total = _mm512_setzero_ps();
@@ -1389,8 +1509,8 @@ AI void tiled_tile_t(const Tiled *a, int64_t t, const int32_t *xd, const float *
         __m512i acc[12];
         for (int i = 0; i < 12; i++) acc[i] = _mm512_setzero_si512();
         for (int64_t k = k0; k < k1; k += U) { /* one loop body: a block's last steps past k1 load zero codes */
-            _mm_prefetch((const char *)(base + k * 64 + 2048), _MM_HINT_T0);
             for (int u = 0; u < U; u++) {
+                prefetch_line(base + (k + u) * 64, ahead);
                 const __m512i v = _mm512_maskz_loadu_epi8(k + u < k1 ? ~(__mmask64)0 : 0, base + (k + u) * 64);
                 for (int f = 0; f < per; f++) {
                     const __m512i q = per == 1 ? v : _mm512_and_si512(f ? _mm512_srli_epi16(v, f * bits) : v, mask);
@@ -1438,11 +1558,17 @@ API int accel_affine_tiled_matvec(const uint8_t *tiles, int bits, int levels, in
     float *unit = g_simd ? xalloc((size_t)a.nblocks * 2 * sizeof(float)) : NULL;
     if (xd && tiled_input(&a, x, xd, unit, unit + a.nblocks)) {
         const float *gr = unit + a.nblocks;
-#pragma omp parallel for num_threads(nt) schedule(guided, 2)
-        for (int64_t t = 0; t < ntiles; t++) {
-            if (per == 1) tiled_tile_t(&a, t, xd, unit, gr, y, 1);
-            else if (per == 2) tiled_tile_t(&a, t, xd, unit, gr, y, 2);
-            else tiled_tile_t(&a, t, xd, unit, gr, y, 4);
+#pragma omp parallel num_threads(nt)
+        {
+            int64_t t0, t1;
+            thread_range(ntiles, &t0, &t1);
+            const int64_t bytes = a.steps * 64;
+            for (int64_t t = t0; t < t1; t++) {
+                const uint8_t *next = t + 1 < t1 ? a.tiles + (t + 1) * bytes : NULL;
+                if (per == 1) tiled_tile_t(&a, t, xd, unit, gr, y, 1, next);
+                else if (per == 2) tiled_tile_t(&a, t, xd, unit, gr, y, 2, next);
+                else tiled_tile_t(&a, t, xd, unit, gr, y, 4, next);
+            }
         }
         free(xd);
         free(unit);
@@ -1611,7 +1737,7 @@ static void base3_tile(const Base3 *a, int64_t t, const int32_t *xd, const int64
         __m512i acc[15];
         for (int i = 0; i < 15; i++) acc[i] = _mm512_setzero_si512();
         for (int64_t k = k0; k < k1; k++) {
-            _mm_prefetch((const char *)(base + k * 64 + 2048), _MM_HINT_T0);
+            prefetch_line(base + k * 64, a->steps * 64); /* and the next tile's line */
             __m512i tv = _mm512_loadu_si512(base + k * 64), dig[5];
             static const int w[5] = {1, 3, 9, 27, 81};
             for (int j = 4; j >= 1; j--) {
@@ -1673,7 +1799,7 @@ API int accel_base3_tiled_matvec(const uint8_t *tiles, int symmetric, int scale_
         float *unit = xalloc((size_t)a.nblocks * 2 * sizeof(float));
         const int ok = base3_input(&a, x, xd, xoff, unit, unit + a.nblocks);
         if (ok) {
-#pragma omp parallel for num_threads(nt) schedule(guided, 2)
+#pragma omp parallel for num_threads(nt) schedule(static)
             for (int64_t t = 0; t < ntiles; t++) base3_tile(&a, t, xd, xoff, unit, unit + a.nblocks, y);
         }
         free(xoff);
