@@ -194,14 +194,16 @@ def test_leech_tiles_of_many_rows(simd, rng):
         _check_matvec(entry, _parts(entry, arrays), rng)
 
 
+@pytest.mark.parametrize("layout", ["planes", "onehot"])
 @pytest.mark.parametrize("cols", [744, 1104, 4100], ids=lambda c: f"cols{c}")
-def test_leech_matvec_odd_rotations(simd, rng, cols):
+def test_leech_matvec_odd_rotations(simd, rng, cols, layout):
     """Input transforms whose odd factor is a dense rotation large enough to be split between threads: 744 = 8 * 93
-    (the narrow path for 8-wide vectors), 1104 = 16 * 69 (eight rows a block), 4104 = 8 * 513 (as for 4096)."""
+    (the narrow path for 8-wide vectors), 1104 = 16 * 69 (eight rows a block), 4104 = 8 * 513 (as for 4096); the
+    tiles' steps come in odd counts of blocks and chunks with a short last one (read in two halves)."""
     from accel.kernels import set_threads
 
     w = rng.standard_normal((21, cols))
-    entry, arrays = encode_tensor("w", w, "leech", layout="planes", shells=(13,), seed_in=6, seed_out=7)
+    entry, arrays = encode_tensor("w", w, "leech", layout=layout, shells=(13,), seed_in=6, seed_out=7)
     set_threads(2)
     try:
         _check_matvec(entry, _parts(entry, arrays), rng)

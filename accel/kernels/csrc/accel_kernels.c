@@ -907,37 +907,54 @@ AI void onehot_tile_t(const uint8_t *base, int64_t plane_stride, int64_t rowbyte
 /* onehot_tile_t on a 16-row tile copy of the stage (tile[k][plane][16 rows][4 bytes], K masks then the sign, zero
  * past a row's end): the same bit slicing and lookups, with plain loads instead of K + 1 gathers a step. tab must
  * cover 4 * ceil(rowbytes / 4) bytes (zero past the row), pm as for onehot_tile_t. */
-AI void onehot_tiled_tile_t(const uint8_t *tile, int64_t steps, int64_t rowbytes, int nr, const uint8_t *pm,
+AI void onehot_tiled_tile_t(const uint8_t *tile, int64_t steps, int nr, const uint32_t *pw, int64_t pwords,
                             const float *tab, float *out, const int K) {
     const int64_t ahead = steps * (K + 1) * 64; /* the next tile */
     const int nb = onehot_value_bits(K), bits = nb + 1;
     const __mmask16 lanes = (__mmask16)((1u << nr) - 1u);
-    const __m512i vidx = tile_offsets(rowbytes);
+    const __m512i one = _mm512_set1_epi32(1);
     __m512 acc[4];
     for (int j = 0; j < bits; j++) acc[j] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < steps; k++) {
-        const uint8_t *q = tile + k * (K + 1) * 64;
-        for (int m = 0; m <= K; m++) prefetch_line(q + m * 64, ahead);
-        __m512i M[6], V[4];
-        for (int m = 0; m < K; m++) M[m] = _mm512_loadu_si512(q + m * 64);
-        const __m512i S = _mm512_loadu_si512(q + K * 64);
-        /* the spread parity: bytes past the row are past pm's row too, and meet zero masks (v = 0 there) */
-        const __m512i P = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, vidx, pm + 4 * k, 1);
-        ONEHOT_SLICE(__m512i, _mm512_setzero_si512(), M, P, S, V, K, nb);
-        lookup_dword(V, tab + 128 * k, acc, bits);
+    const int64_t nch = (steps + 7) / 8, hch = (nch + 1) / 2; /* chunks of 8 steps: the two halves in turn */
+    for (int64_t ci = 0; ci < nch; ci++) {
+        const int64_t c = ci % 2 ? hch + ci / 2 : ci / 2, k1 = c * 8 + 8 < steps ? c * 8 + 8 : steps;
+        for (int64_t k = c * 8; k < k1; k++) {
+            const uint8_t *q = tile + k * (K + 1) * 64;
+            for (int m = 0; m <= K; m++) prefetch_line(q + m * 64, ahead);
+            __m512i M[6], V[4];
+            for (int m = 0; m < K; m++) M[m] = _mm512_loadu_si512(q + m * 64);
+            const __m512i S = _mm512_loadu_si512(q + K * 64);
+            /* the spread parity of coordinates 32 k .. 32 k + 31, from the parity words pw ([word][row], bit b = block
+             * b): they lie in blocks b0 = 4 k / 3 and b0 + 1, the first 24, 16 or 8 of them (k mod 3 = 0, 1, 2) in b0.
+             * Past the row the words are zero (and so are the masks). */
+            const int64_t b0 = 4 * k / 3, w = b0 / 32;
+            const int sh = (int)(b0 % 32);
+            __m512i pb = w < pwords ? _mm512_srli_epi32(_mm512_loadu_si512(pw + 16 * w), (unsigned)sh)
+                                    : _mm512_setzero_si512();
+            if (sh == 31 && w + 1 < pwords)
+                pb = _mm512_or_si512(pb, _mm512_slli_epi32(_mm512_loadu_si512(pw + 16 * (w + 1)), 1));
+            const uint32_t m0 = 0xffffffffu >> (8 + 8 * (k % 3));
+            const __m512i zero = _mm512_setzero_si512();
+            const __m512i p0 = _mm512_sub_epi32(zero, _mm512_and_si512(pb, one)); /* all ones where b0 is odd */
+            const __m512i p1 = _mm512_sub_epi32(zero, _mm512_and_si512(_mm512_srli_epi32(pb, 1), one));
+            const __m512i P = _mm512_or_si512(_mm512_and_si512(p0, _mm512_set1_epi32((int)m0)),
+                                              _mm512_and_si512(p1, _mm512_set1_epi32((int)~m0)));
+            ONEHOT_SLICE(__m512i, _mm512_setzero_si512(), M, P, S, V, K, nb);
+            lookup_dword(V, tab + 128 * k, acc, bits);
+        }
     }
     store_planes(acc, bits, lanes, out);
 }
 
-static void onehot_tiled_tile(const uint8_t *tile, int64_t steps, int64_t rowbytes, int nr, const uint8_t *pm,
+static void onehot_tiled_tile(const uint8_t *tile, int64_t steps, int nr, const uint32_t *pw, int64_t pwords,
                               const float *tab, float *out, int K) {
     switch (K) {
-    case 6: onehot_tiled_tile_t(tile, steps, rowbytes, nr, pm, tab, out, 6); break;
-    case 2: onehot_tiled_tile_t(tile, steps, rowbytes, nr, pm, tab, out, 2); break;
-    case 1: onehot_tiled_tile_t(tile, steps, rowbytes, nr, pm, tab, out, 1); break;
-    case 3: onehot_tiled_tile_t(tile, steps, rowbytes, nr, pm, tab, out, 3); break;
-    case 4: onehot_tiled_tile_t(tile, steps, rowbytes, nr, pm, tab, out, 4); break;
-    default: onehot_tiled_tile_t(tile, steps, rowbytes, nr, pm, tab, out, 5); break;
+    case 6: onehot_tiled_tile_t(tile, steps, nr, pw, pwords, tab, out, 6); break;
+    case 2: onehot_tiled_tile_t(tile, steps, nr, pw, pwords, tab, out, 2); break;
+    case 1: onehot_tiled_tile_t(tile, steps, nr, pw, pwords, tab, out, 1); break;
+    case 3: onehot_tiled_tile_t(tile, steps, nr, pw, pwords, tab, out, 3); break;
+    case 4: onehot_tiled_tile_t(tile, steps, nr, pw, pwords, tab, out, 4); break;
+    default: onehot_tiled_tile_t(tile, steps, nr, pw, pwords, tab, out, 5); break;
     }
 }
 
@@ -1208,7 +1225,10 @@ static void leech_rows(const Leech *L, const float *z, const float *zb, float *t
                 const uint8_t *base = L->stream[s];
                 const int onehot = L->layout[s] == LEECH_ONEHOT;
                 const uint8_t *par = base + (onehot ? L->param[s] + 1 : L->param[s]) * plane;
-                if (onehot)
+                const int64_t tbytes = onehot ? ((rowbytes + 3) / 4) * (L->param[s] + 1) * 64 : tsteps * 128;
+                const uint32_t *pw = L->tiled[s] ? (const uint32_t *)(L->tiled[s] + tiles * tbytes) + tile * pwords * 16
+                                                 : NULL; /* the tile's parity words, after the tiles */
+                if (onehot && !(g_simd && L->tiled[s]))
                     for (int i = 0; i < nr; i++)
                         spread_parity(par, parbytes, (r0 + i) * L->nblk, L->nblk, pm + i * rowbytes);
 #if HAVE_AVX512
@@ -1219,15 +1239,13 @@ static void leech_rows(const Leech *L, const float *z, const float *zb, float *t
                     else
 #endif
                     if (onehot && L->tiled[s])
-                        onehot_tiled_tile(L->tiled[s] + tile * ((rowbytes + 3) / 4) * (L->param[s] + 1) * 64,
-                                          (rowbytes + 3) / 4, rowbytes, nr, pm, tab, vals, L->param[s]);
+                        onehot_tiled_tile(L->tiled[s] + tile * tbytes, (rowbytes + 3) / 4, nr, pw, pwords, tab, vals,
+                                          L->param[s]);
                     else if (onehot) onehot_tile(base, plane, rowbytes, r0, nr, pm, tab, vals, L->param[s]);
                     else planes_tile(base, plane, rowbytes, r0, nr, tab, vals, L->param[s]);
-                    if (L->tiled[s]) { /* x = 2 v + p, p from the parity words after the tiles */
-                        const int64_t tbytes = onehot ? ((rowbytes + 3) / 4) * (L->param[s] + 1) * 64 : tsteps * 128;
+                    if (pw) { /* x = 2 v + p */
                         float pv[16];
-                        parity_tiled((const uint32_t *)(L->tiled[s] + tiles * tbytes) + tile * pwords * 16, pwords,
-                                     ptab, pv);
+                        parity_tiled(pw, pwords, ptab, pv);
                         for (int i = 0; i < nr; i++) vals[i] = 2.0f * vals[i] + pv[i];
                     } else
                         for (int i = 0; i < nr; i++)
