@@ -1531,7 +1531,15 @@ AI void tiled_tile_t(const Tiled *a, int64_t t, const int32_t *xd, const float *
                 prefetch_line(base + (k + u) * 64, ahead);
                 const __m512i v = _mm512_maskz_loadu_epi8(k + u < k1 ? ~(__mmask64)0 : 0, base + (k + u) * 64);
                 for (int f = 0; f < per; f++) {
+#ifdef __GFNI__ /* 2-bit fields 1..3: one bit-matrix product moves bits 2f, 2f + 1 to 0, 1 (instead of shift, and):
+                * output bit i of a byte is the parity of the byte AND matrix byte 7 - i */
+                    const __m512i q = per == 4 && f ? _mm512_gf2p8affine_epi64_epi8(
+                                                          v, _mm512_set1_epi64((long long)(1ull << (56 + 2 * f) | 1ull << (49 + 2 * f))), 0)
+                                      : per == 1 ? v
+                                                 : _mm512_and_si512(f ? _mm512_srli_epi16(v, f * bits) : v, mask);
+#else
                     const __m512i q = per == 1 ? v : _mm512_and_si512(f ? _mm512_srli_epi16(v, f * bits) : v, mask);
+#endif
                     const int32_t *xs = xd + ((k + u) * per + f) * 3;
                     const int i = (u * per + f) * 3;
                     dpbusd_bcast(&acc[i], q, xs);
@@ -1639,9 +1647,10 @@ API int accel_affine_tiled_decode_rows(const uint8_t *tiles, int bits, int level
 /* A serving copy of `base` codes with L = 3 (5 codes a byte, digit j of weight 3^j), made once at load: each row's
  * codes regrouped from the row's first code (the stored stream runs its 5-code groups across row ends), ceil(cols /
  * 5) bytes a row, then interleaved in 16-row tiles as the affine tiles are: tile[t][k][lane][4], step k = bytes
- * 4k .. 4k+3 (columns 20k .. 20k+19). A byte's digits come out as bytes by comparisons (d = [t >= 2w] + [t >= w],
- * t -= d w for w = 81, 27, 9, 3), then each digit vector meets the input digits of its columns in vpdpbusd, as in the
- * affine tiles. Blocks of input (<= 128 columns inside one group) need not start on a step: a step that two blocks
+ * 4k .. 4k+3 (columns 20k .. 20k+19). A byte's digits come out as bytes: the top one by comparisons (d = [t >= 162]
+ * + [t >= 81], r = t - 81 d), the other four from tables indexed by r < 81 (vpermi2b; without AVX-512 VBMI all by
+ * comparisons, d = [t >= 2w] + [t >= w], t -= d w for w = 81, 27, 9, 3), then each digit vector meets the input
+ * digits of its columns in vpdpbusd, as in the affine tiles. Blocks of input (<= 128 columns inside one group) need not start on a step: a step that two blocks
  * share is read once for each, with each block's own input digits (zero outside the block). */
 
 typedef struct {
@@ -1738,10 +1747,24 @@ static int base3_input(const Base3 *a, const float *x, int32_t *xd, const int64_
     return 1;
 }
 
+/* g_base3_digits[j][r] = digit j (weight 3^j) of r, r = 0 .. 127 */
+static uint8_t g_base3_digits[4][128];
+__attribute__((constructor)) static void base3_digits_init(void) {
+    for (int j = 0, w = 1; j < 4; j++, w *= 3)
+        for (int r = 0; r < 128; r++) g_base3_digits[j][r] = (uint8_t)((r / w) % 3);
+}
+
 static void base3_tile(const Base3 *a, int64_t t, const int32_t *xd, const int64_t *xoff, const float *unit,
                        const float *gsum, float *y) {
     const uint8_t *base = a->tiles + t * a->steps * 64;
     const __m512i one = _mm512_set1_epi8(1), two = _mm512_set1_epi8(2);
+#ifdef __AVX512VBMI__
+    __m512i lut[4][2]; /* digit j of r = 0 .. 127 (used: r < 81), two 64-byte halves for vpermi2b */
+    for (int j = 0; j < 4; j++) {
+        lut[j][0] = _mm512_loadu_si512(g_base3_digits[j]);
+        lut[j][1] = _mm512_loadu_si512(g_base3_digits[j] + 64);
+    }
+#endif
     const int64_t per_group = a->ngroups == 1 ? a->nblocks : a->group / a->bw;
     __m512 total = _mm512_setzero_ps();
     for (int64_t b = 0, g = 0, in_g = 0; b < a->nblocks; b++, in_g++) {
@@ -1757,6 +1780,14 @@ static void base3_tile(const Base3 *a, int64_t t, const int32_t *xd, const int64
         for (int64_t k = k0; k < k1; k++) {
             prefetch_line(base + k * 64, a->steps * 64); /* and the next tile's line */
             __m512i tv = _mm512_loadu_si512(base + k * 64), dig[5];
+#ifdef __AVX512VBMI__ /* the top digit by comparisons, the rest (r < 81, a 7-bit index) from 128-byte tables */
+            const __mmask64 m1 = _mm512_cmpge_epu8_mask(tv, _mm512_set1_epi8(81));
+            const __mmask64 m2 = _mm512_cmpge_epu8_mask(tv, _mm512_set1_epi8((char)162));
+            dig[4] = _mm512_mask_mov_epi8(_mm512_maskz_mov_epi8(m1, one), m2, two);
+            tv = _mm512_mask_sub_epi8(tv, m1, tv, _mm512_set1_epi8(81));
+            tv = _mm512_mask_sub_epi8(tv, m2, tv, _mm512_set1_epi8(81));
+            for (int j = 0; j < 4; j++) dig[j] = _mm512_permutex2var_epi8(lut[j][0], tv, lut[j][1]);
+#else
             static const int w[5] = {1, 3, 9, 27, 81};
             for (int j = 4; j >= 1; j--) {
                 const __mmask64 m1 = _mm512_cmpge_epu8_mask(tv, _mm512_set1_epi8((char)w[j]));
@@ -1766,6 +1797,7 @@ static void base3_tile(const Base3 *a, int64_t t, const int32_t *xd, const int64
                 tv = _mm512_mask_sub_epi8(tv, m2, tv, _mm512_set1_epi8((char)w[j]));
             }
             dig[0] = tv;
+#endif
             const int32_t *xs = xb + (k - k0) * 15;
             for (int j = 0; j < 5; j++) {
                 dpbusd_bcast(&acc[j * 3], dig[j], xs + j * 3);
