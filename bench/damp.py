@@ -110,6 +110,7 @@ def mean_kl(ref_steps: list, steps: list, windows: int) -> np.ndarray:
 
 # DAMP against the uniform arm at the same bits per value (and 9.9 against its two uniform neighbours)
 MATCHED = [("damp:10.5,alloc=water", "int:10"), ("damp:9.5,alloc=water", "int:9"),
+           ("damp:8.5,alloc=water", "int8"), ("damp:4.5,alloc=water", "int4"),
            ("damp:6.5,alloc=water", "int:6"), ("damp:5.5,alloc=water", "int:5"),
            ("damp:9.9,alloc=water", "int:9"), ("damp:9.9,alloc=water", "int:10"),
            ("damp:9.9,alloc=water", "damp:9.9"), ("damp:9.5,alloc=water", "damp:9.5"),
