@@ -110,6 +110,15 @@ def test_output_inside_the_input_is_refused(capsys, tiny_llama):
     assert_one_line_error(code, err, 2, "would overwrite the input")
 
 
+@pytest.mark.parametrize("argv,message", [(["eval"], "Missing argument"),
+                                          (["quantize", "x", "--bogus"], "No such option: --bogus"),
+                                          (["calibrate", "x", "--for", "state"], "Missing option")])
+def test_usage_errors_exit_2_without_a_traceback(capsys, argv, message):
+    """typer >= 0.2x raises its own copy of click's exceptions: they must still end as a usage message and exit 2."""
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and "Traceback" not in err and message in err, err
+
+
 def test_missing_model_path_is_one_line(capsys, tmp_path):
     code, _, err = run(capsys, "quantize", tmp_path / "nope", "--weights", "rtn4", "--out", tmp_path / "o")
     assert_one_line_error(code, err, 2, "nope")

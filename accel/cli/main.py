@@ -42,18 +42,35 @@ for module in (models, calibrate, quantize, export_ane, inspect_cmd, verify, eva
 app.add_typer(probe.app, name="probe")
 
 
+def _click_classes(name: str) -> tuple[type[BaseException], ...]:
+    """The exception class `name` from click and from the click that newer typer releases carry inside (typer 0.2x
+    raises typer._click's and typer.exceptions' classes, which are not click's)."""
+    found = [getattr(click.exceptions, name)]
+    for module in ("typer._click.exceptions", "typer.exceptions"):
+        try:
+            cls = getattr(__import__(module, fromlist=[name]), name, None)
+        except ImportError:
+            cls = None
+        if isinstance(cls, type) and cls not in found:
+            found.append(cls)
+    return tuple(found)
+
+
+_EXIT, _ABORT, _USAGE = _click_classes("Exit"), _click_classes("Abort"), _click_classes("ClickException")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     want_json = "--json" in argv
     try:
         result = app(args=argv, prog_name="accel", standalone_mode=False)
         return result if isinstance(result, int) else 0
-    except click.exceptions.Exit as exc:
-        return exc.exit_code
-    except click.exceptions.Abort:
+    except _EXIT as exc:
+        return getattr(exc, "exit_code", 0)
+    except _ABORT:
         stderr.print("aborted")
         return 130
-    except click.exceptions.ClickException as exc:  # usage errors: bad option, missing argument
+    except _USAGE as exc:  # usage errors: bad option, missing argument
         exc.show()
         return 2
     except AccelError as exc:
