@@ -342,8 +342,6 @@ static float affine_row_generic(const Affine *a, int64_t r, const float *x, cons
 #if HAVE_AVX512
 #define AI static inline __attribute__((always_inline))
 
-/* a 16-bit mask straight from memory: kmovw k, m16 is a load, while the compiler's own choice (a GPR load, then
- * kmovw k, r32) spends a vector-port uop per mask, which the masked adds need */
 /* Streaming a weight from memory. One sequential stream per core reads at about 30 GB/s on two cores here, two
  * streams at about 46 (the large-copy bandwidth): the hardware prefetchers track a few lines ahead of each stream,
  * and one stream keeps too few misses in flight. So a thread that walks its tiles in order reads each line of the
@@ -358,6 +356,7 @@ AI void prefetch_line(const uint8_t *p, int64_t ahead) {
     _mm_prefetch((const char *)(p + 4096), _MM_HINT_T0);
     if (ahead) _mm_prefetch((const char *)(p + ahead), _MM_HINT_T2);
 }
+
 /* [*t0, *t1): this thread's share of n items, contiguous, in thread order */
 static void thread_range(int64_t n, int64_t *t0, int64_t *t1) {
     const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
@@ -365,6 +364,8 @@ static void thread_range(int64_t n, int64_t *t0, int64_t *t1) {
     *t1 = n * (id + 1) / nt;
 }
 
+/* a 16-bit mask straight from memory: kmovw k, m16 is a load, while the compiler's own choice (a GPR load, then
+ * kmovw k, r32) spends a vector-port uop per mask, which the masked adds need */
 AI __mmask16 ldmask(const uint8_t *p) {
     __mmask16 k;
     __asm__("kmovw %1, %0" : "=k"(k) : "m"(*(const uint16_t *)p));
@@ -909,8 +910,9 @@ AI void onehot_tile_t(const uint8_t *base, int64_t plane_stride, int64_t rowbyte
 }
 
 /* onehot_tile_t on a 16-row tile copy of the stage (tile[k][plane][16 rows][4 bytes], K masks then the sign, zero
- * past a row's end): the same bit slicing and lookups, with plain loads instead of K + 1 gathers a step. tab must
- * cover 4 * ceil(rowbytes / 4) bytes (zero past the row), pm as for onehot_tile_t. */
+ * past a row's end): the same bit slicing and lookups, with plain loads instead of K + 1 gathers a step, and the
+ * spread parity from the tile's parity words pw (pwords of them, [word][16 rows]). tab must cover
+ * 4 * ceil(rowbytes / 4) bytes (zero past the row). */
 AI void onehot_tiled_tile_t(const uint8_t *tile, int64_t steps, int nr, const uint32_t *pw, int64_t pwords,
                             const float *tab, float *out, const int K) {
     const int64_t ahead = steps * (K + 1) * 64; /* the next tile */
@@ -1539,10 +1541,10 @@ AI void tiled_tile_t(const Tiled *a, int64_t t, const int32_t *xd, const float *
                 for (int f = 0; f < per; f++) {
 #ifdef __GFNI__ /* 2-bit fields 1..3: one bit-matrix product moves bits 2f, 2f + 1 to 0, 1 (instead of shift, and):
                 * output bit i of a byte is the parity of the byte AND matrix byte 7 - i */
-                    const __m512i q = per == 4 && f ? _mm512_gf2p8affine_epi64_epi8(
-                                                          v, _mm512_set1_epi64((long long)(1ull << (56 + 2 * f) | 1ull << (49 + 2 * f))), 0)
-                                      : per == 1 ? v
-                                                 : _mm512_and_si512(f ? _mm512_srli_epi16(v, f * bits) : v, mask);
+                    const long long field = (long long)(1ull << (56 + 2 * f) | 1ull << (49 + 2 * f));
+                    const __m512i q = per == 4 && f ? _mm512_gf2p8affine_epi64_epi8(v, _mm512_set1_epi64(field), 0)
+                                      : per == 1    ? v
+                                                    : _mm512_and_si512(f ? _mm512_srli_epi16(v, f * bits) : v, mask);
 #else
                     const __m512i q = per == 1 ? v : _mm512_and_si512(f ? _mm512_srli_epi16(v, f * bits) : v, mask);
 #endif
@@ -1656,8 +1658,9 @@ API int accel_affine_tiled_decode_rows(const uint8_t *tiles, int bits, int level
  * 4k .. 4k+3 (columns 20k .. 20k+19). A byte's digits come out as bytes: the top one by comparisons (d = [t >= 162]
  * + [t >= 81], r = t - 81 d), the other four from tables indexed by r < 81 (vpermi2b; without AVX-512 VBMI all by
  * comparisons, d = [t >= 2w] + [t >= w], t -= d w for w = 81, 27, 9, 3), then each digit vector meets the input
- * digits of its columns in vpdpbusd, as in the affine tiles. Blocks of input (<= 128 columns inside one group) need not start on a step: a step that two blocks
- * share is read once for each, with each block's own input digits (zero outside the block). */
+ * digits of its columns in vpdpbusd, as in the affine tiles. Blocks of input (<= 128 columns inside one group) need
+ * not start on a step: a step that two blocks share is read once for each, with each block's own input digits (zero
+ * outside the block). */
 
 typedef struct {
     const uint8_t *tiles;
