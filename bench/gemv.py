@@ -174,9 +174,9 @@ def main() -> None:
     if args.shapes:
         try:
             shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",") if s]
+            if any(len(s) != 2 or min(s) < 1 for s in shapes):
+                raise ValueError
         except ValueError:
-            ap.error(f"--shapes: expected ROWSxCOLS[,ROWSxCOLS...], got {args.shapes!r}")
-        if any(len(s) != 2 or min(s) < 1 for s in shapes):
             ap.error(f"--shapes: expected ROWSxCOLS[,ROWSxCOLS...], got {args.shapes!r}")
     result = run(shapes, kernels, args.threads, 0.2 if args.quick else 1.0, args.footprint * 2**20)
     result["load_average"] = os.getloadavg()

@@ -228,12 +228,7 @@ class LeechWeight(KernelWeight):
         # of gathers, followed by a tile copy of their parity bits (accel_kernels.c); the stored streams stay for
         # decode_rows and the float path
         tiles_ok = bool(self._lib.accel_leech_tiles_available())
-        tiled = [None if not tiles_ok else np.concatenate([
-                     _planes_tiles(s, self.shape[0], self.cols) if kind == 0
-                     else _onehot_tiles(s, self.shape[0], self.cols, n + 1),
-                     _parity_tiles(s[(n + kind) * 3 * self.shape[0] * (self.cols // 24):], self.shape[0],
-                                   self.cols // 24)])
-                 if kind == 1 or n == 4 else None
+        tiled = [_leech_tile_copy(s, kind, n, self.shape[0], self.cols) if tiles_ok else None
                  for s, kind, n in zip(streams, kinds, params, strict=True)]
         self.tiled = [t for t in tiled if t is not None]
         self._tiled_ptrs = (ctypes.c_void_p * len(tiled))(*[None if t is None else t.ctypes.data for t in tiled])
@@ -293,6 +288,16 @@ def _onehot_tiles(stream: np.ndarray, rows: int, cols: int, planes: int) -> np.n
     p = np.zeros((planes, ntiles * 16, 4 * steps), dtype=np.uint8)
     p[:, :rows, :rowbytes] = stream[: planes * rows * rowbytes].reshape(planes, rows, rowbytes)
     return np.ascontiguousarray(p.reshape(planes, ntiles, 16, steps, 4).transpose(1, 3, 0, 2, 4)).reshape(-1)
+
+
+def _leech_tile_copy(stream: np.ndarray, kind: int, n: int, rows: int, cols: int) -> np.ndarray | None:
+    """The tile copy a Leech stage's kernel reads (4-plane stages: kind 0, n = 4 planes; onehot: kind 1, n = K
+    masks), its planes' tiles then its parity words; None for stages the gathered kernel reads as stored."""
+    if kind == 0 and n != 4:
+        return None
+    planes = _planes_tiles(stream, rows, cols) if kind == 0 else _onehot_tiles(stream, rows, cols, n + 1)
+    parity = stream[(n + kind) * 3 * rows * (cols // 24):]  # after the n planes (and the onehot sign plane)
+    return np.concatenate([planes, _parity_tiles(parity, rows, cols // 24)])
 
 
 def _parity_tiles(parity: np.ndarray, rows: int, nblk: int) -> np.ndarray:
