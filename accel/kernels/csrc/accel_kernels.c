@@ -349,7 +349,7 @@ static float affine_row_generic(const Affine *a, int64_t r, const float *x, cons
  * in while the current one is read, and is an L2 hit when its turn comes (tiles are <= a few hundred KB; L2 is 2
  * MB). bench/gemv.py measures the effect. */
 /* The Leech tile kernels read a tile in this many parts in turn (blocks of 1 KB from each part alternately): more
- * demand streams, more misses in flight. 2 measured 1.1-1.15x faster than 1 on planes; 4 no faster than 2. */
+ * demand streams, more misses in flight. 2 measured 1.08-1.18x faster than 1 on planes; 4 no faster than 2. */
 #define TILE_STREAMS 2
 
 AI void prefetch_line(const uint8_t *p, int64_t ahead) {
