@@ -1171,8 +1171,127 @@ static void leech_tiled_tile(const uint8_t *tiles, int64_t steps, int64_t t, con
     }
     _mm512_storeu_ps(out, total);
 }
+
+#if defined(__AVX512VBMI__)
+#define HAVE_ONEHOT_INT 1
+/* Onehot tiles with integer products. The bit-sliced planes V[0..3] of a dword step (lane r: row r's 32 coordinates,
+ * bit 8b + t of the dword = coordinate 8b + t) are rearranged by two rounds of vpermt2b into the planes tiles'
+ * qwords (per row and byte pair s: byte 7 - (4a + j) = plane j's byte 2s + a), four registers of four rows each,
+ * then decoded and multiplied as there (gf2p8affineqb transpose, u = v + 8 nibbles, vpdpbusd on the block floating
+ * point z). A lane of those registers holds 4 coordinates of one row: lane L of register m is row 4m + L / 4, byte
+ * pair (L / 2) % 2, coordinates 4 (L % 2) .. + 3 of its bytes; the input digits follow that pattern (xo, per step
+ * [lo/hi nibble][piece][4 dwords], built once a call), and the lanes of a row are summed once per tile. */
+static uint8_t g_oh_ix[2][64], g_oh_iy[2][64]; /* round 1: planes 0,1 (2,3) of rows 8h..8h+7; round 2: 4 rows */
+__attribute__((constructor)) static void onehot_int_init(void) {
+    for (int h = 0; h < 2; h++)
+        for (int p = 0; p < 64; p++) /* X_h byte p: row 8h + p / 8, plane (p / 4) % 2, byte p % 4 */
+            g_oh_ix[h][p] = (uint8_t)(((8 * h + p / 8) * 4 + p % 4) | ((p / 4) % 2 ? 64 : 0));
+    for (int odd = 0; odd < 2; odd++)
+        for (int q = 0; q < 64; q++) { /* O_m byte q: row 4m + q / 16 (4 odd + q / 16 within X, Y), pair (q / 8) % 2 */
+            const int rr = 4 * odd + q / 16, pair = (q / 8) % 2, pos = q % 8, a = (7 - pos) / 4, j = (7 - pos) % 4;
+            g_oh_iy[odd][q] = (uint8_t)(rr * 8 + (j % 2) * 4 + 2 * pair + a + (j >= 2 ? 64 : 0));
+        }
+}
+
+/* xo[k][h][p] (4 dwords, the pattern of lanes 4i .. 4i + 3) from the planes tiles' input digits xq (bytes B < 2 * tsteps; zero past them) */
+static void onehot_int_input(const int64_t *xq, int64_t tsteps, int64_t osteps, int32_t *xo) {
+    for (int64_t k = 0; k < osteps; k++)
+        for (int h = 0; h < 2; h++) /* lo nibbles: bytes 4k, 4k + 2; hi: 4k + 1, 4k + 3 */
+            for (int p = 0; p < 3; p++) {
+                int32_t *o = xo + ((k * 2 + h) * 3 + p) * 4; /* the lane pattern repeats every 4 lanes */
+                for (int l = 0; l < 4; l++) {
+                    const int64_t B = 4 * k + 2 * ((l / 2) % 2) + h;
+                    const int64_t q = B < 2 * tsteps ? xq[B * 3 + p] : 0;
+                    o[l] = (int32_t)(l % 2 ? (uint64_t)q >> 32 : (uint64_t)q & 0xffffffffu);
+                }
+            }
+}
+
+AI void onehot_int_tile_t(const uint8_t *tile, int64_t steps, const uint32_t *pw, int64_t pwords, const int32_t *xo,
+                          const float *unit, const float *zsum, float *out, const int K) {
+    const int64_t ahead = steps * (K + 1) * 64; /* the next tile */
+    const int nb = onehot_value_bits(K);
+    const __m512i one = _mm512_set1_epi32(1), E = _mm512_set1_epi64((long long)0x8040201008040201ull);
+    const __m512i nib = _mm512_set1_epi8(0x0f);
+    const __m512i ix0 = _mm512_loadu_si512(g_oh_ix[0]), ix1 = _mm512_loadu_si512(g_oh_ix[1]);
+    const __m512i iy0 = _mm512_loadu_si512(g_oh_iy[0]), iy1 = _mm512_loadu_si512(g_oh_iy[1]);
+    __m512 total[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    float corr = 0.0f;
+    const int64_t nblocks = (steps + 3) / 4, part = (nblocks + TILE_STREAMS - 1) / TILE_STREAMS;
+    for (int64_t bi = 0; bi < part * TILE_STREAMS; bi++) { /* blocks of 4 steps (128 coordinates), parts in turn */
+        const int64_t b = (bi % TILE_STREAMS) * part + bi / TILE_STREAMS, k1 = 4 * b + 4 < steps ? 4 * b + 4 : steps;
+        if (b >= nblocks) continue;
+        __m512i acc[12]; /* [m][piece] */
+        for (int i = 0; i < 12; i++) acc[i] = _mm512_setzero_si512();
+        for (int64_t k = 4 * b; k < k1; k++) {
+            const uint8_t *q = tile + k * (K + 1) * 64;
+            for (int m = 0; m <= K; m++) prefetch_line(q + m * 64, ahead);
+            __m512i M[6], V[4];
+            for (int m = 0; m < K; m++) M[m] = _mm512_loadu_si512(q + m * 64);
+            const __m512i S = _mm512_loadu_si512(q + K * 64);
+            const int64_t b0 = 4 * k / 3, w = b0 / 32; /* the spread parity, as in onehot_tiled_tile_t */
+            const int sh = (int)(b0 % 32);
+            __m512i pb = w < pwords ? _mm512_srli_epi32(_mm512_loadu_si512(pw + 16 * w), (unsigned)sh)
+                                    : _mm512_setzero_si512();
+            if (sh == 31 && w + 1 < pwords)
+                pb = _mm512_or_si512(pb, _mm512_slli_epi32(_mm512_loadu_si512(pw + 16 * (w + 1)), 1));
+            const uint32_t m0 = 0xffffffffu >> (8 + 8 * (k % 3));
+            const __m512i zero = _mm512_setzero_si512();
+            const __m512i p0 = _mm512_sub_epi32(zero, _mm512_and_si512(pb, one));
+            const __m512i p1 = _mm512_sub_epi32(zero, _mm512_and_si512(_mm512_srli_epi32(pb, 1), one));
+            const __m512i P = _mm512_or_si512(_mm512_and_si512(p0, _mm512_set1_epi32((int)m0)),
+                                              _mm512_and_si512(p1, _mm512_set1_epi32((int)~m0)));
+            ONEHOT_SLICE(__m512i, _mm512_setzero_si512(), M, P, S, V, K, nb);
+            for (int j = nb + 1; j < 4; j++) V[j] = V[nb]; /* sign-extend v to 4 bits */
+            const __m512i X[2] = {_mm512_permutex2var_epi8(V[0], ix0, V[1]), _mm512_permutex2var_epi8(V[0], ix1, V[1])};
+            const __m512i Y[2] = {_mm512_permutex2var_epi8(V[2], ix0, V[3]), _mm512_permutex2var_epi8(V[2], ix1, V[3])};
+            const int32_t *xs = xo + k * 24;
+            __m512i xd[6]; /* [lo/hi][piece] */
+            for (int i = 0; i < 6; i++) xd[i] = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(xs + 4 * i)));
+            for (int m = 0; m < 4; m++) {
+                const __m512i O = _mm512_permutex2var_epi8(X[m / 2], m % 2 ? iy1 : iy0, Y[m / 2]);
+                const __m512i wv = _mm512_gf2p8affine_epi64_epi8(E, O, 0x88);
+                const __m512i lo = _mm512_and_si512(wv, nib), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), nib);
+                for (int p = 0; p < 3; p++) {
+                    dpbusd_reg(&acc[m * 3 + p], lo, xd[p]);
+                    dpbusd_reg(&acc[m * 3 + p], hi, xd[3 + p]);
+                }
+            }
+        }
+        const __m512 mul0 = _mm512_set1_ps(unit[b]), mul1 = _mm512_set1_ps(256.0f * unit[b]),
+                     mul2 = _mm512_set1_ps(65536.0f * unit[b]);
+        for (int m = 0; m < 4; m++) {
+            __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[m * 3 + 2]), mul2);
+            f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m * 3 + 1]), mul1, f);
+            total[m] = _mm512_add_ps(total[m], _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m * 3]), mul0, f));
+        }
+        corr -= 8.0f * zsum[b]; /* sum v z = sum u z - 8 sum z */
+    }
+    float lanes[4][16];
+    for (int m = 0; m < 4; m++) _mm512_storeu_ps(lanes[m], total[m]);
+    for (int r = 0; r < 16; r++) {
+        const float *l = lanes[r / 4] + 4 * (r % 4);
+        out[r] = ((l[0] + l[1]) + (l[2] + l[3])) + corr;
+    }
+}
+
+static void onehot_int_tile(const uint8_t *tile, int64_t steps, const uint32_t *pw, int64_t pwords,
+                            const int32_t *xo, const float *unit, const float *zsum, float *out, int K) {
+    switch (K) {
+    case 6: onehot_int_tile_t(tile, steps, pw, pwords, xo, unit, zsum, out, 6); break;
+    case 2: onehot_int_tile_t(tile, steps, pw, pwords, xo, unit, zsum, out, 2); break;
+    case 1: onehot_int_tile_t(tile, steps, pw, pwords, xo, unit, zsum, out, 1); break;
+    case 3: onehot_int_tile_t(tile, steps, pw, pwords, xo, unit, zsum, out, 3); break;
+    case 4: onehot_int_tile_t(tile, steps, pw, pwords, xo, unit, zsum, out, 4); break;
+    default: onehot_int_tile_t(tile, steps, pw, pwords, xo, unit, zsum, out, 5); break;
+    }
+}
+#else
+#define HAVE_ONEHOT_INT 0
+#endif
 #else
 #define HAVE_LEECH_TILES 0
+#define HAVE_ONEHOT_INT 0
 #endif
 
 API int accel_leech_tiles_available(void) { return HAVE_LEECH_TILES && g_simd; }
@@ -1195,9 +1314,18 @@ static void leech_rows(const Leech *L, const float *z, const float *zb, float *t
             xq = NULL;
         }
     }
+    int32_t *xo = NULL; /* onehot tiles' input digits */
     if (xq) {
         need_tab = 0;
-        for (int s = 0; s < L->nstages; s++) need_tab |= !L->tiled[s] || L->layout[s] == LEECH_ONEHOT;
+        for (int s = 0; s < L->nstages; s++)
+            need_tab |= !L->tiled[s] || (L->layout[s] == LEECH_ONEHOT && !HAVE_ONEHOT_INT);
+#if HAVE_ONEHOT_INT
+        for (int s = 0; s < L->nstages; s++)
+            if (L->tiled[s] && L->layout[s] == LEECH_ONEHOT && !xo) {
+                xo = xalloc((size_t)((rowbytes + 3) / 4) * 24 * sizeof(int32_t));
+                onehot_int_input(xq, tsteps, (rowbytes + 3) / 4, xo);
+            }
+#endif
     }
 #endif
     float *ptab = NULL; /* parity tables for the tile copies' parity words */
@@ -1246,6 +1374,12 @@ static void leech_rows(const Leech *L, const float *z, const float *zb, float *t
                         leech_tiled_tile(L->tiled[s], tsteps, tile, xq, tunit, tunit + (tsteps + 7) / 8, vals);
                     else
 #endif
+#if HAVE_ONEHOT_INT
+                    if (xo && onehot && L->tiled[s])
+                        onehot_int_tile(L->tiled[s] + tile * tbytes, (rowbytes + 3) / 4, pw, pwords, xo, tunit,
+                                        tunit + (tsteps + 7) / 8, vals, L->param[s]);
+                    else
+#endif
                     if (onehot && L->tiled[s])
                         onehot_tiled_tile(L->tiled[s] + tile * tbytes, (rowbytes + 3) / 4, nr, pw, pwords, tab, vals,
                                           L->param[s]);
@@ -1279,6 +1413,7 @@ static void leech_rows(const Leech *L, const float *z, const float *zb, float *t
 #if HAVE_LEECH_TILES
     free(xq);
     free(tunit);
+    free(xo);
 #endif
 }
 
