@@ -1193,7 +1193,8 @@ __attribute__((constructor)) static void onehot_int_init(void) {
         }
 }
 
-/* xo[k][h][p] (4 dwords, the pattern of lanes 4i .. 4i + 3) from the planes tiles' input digits xq (bytes B < 2 * tsteps; zero past them) */
+/* xo[k][h][p] (4 dwords: the pattern of lanes 4i .. 4i + 3) from the planes tiles' input digits xq (bytes
+ * B < 2 * tsteps; zero past them) */
 static void onehot_int_input(const int64_t *xq, int64_t tsteps, int64_t osteps, int32_t *xo) {
     for (int64_t k = 0; k < osteps; k++)
         for (int h = 0; h < 2; h++) /* lo nibbles: bytes 4k, 4k + 2; hi: 4k + 1, 4k + 3 */
