@@ -874,6 +874,19 @@ AI void planes_tile_t(const uint8_t *base, int64_t plane_stride, int64_t rowbyte
 
 AI int onehot_value_bits(const int K) { return (K + 1) >= 4 ? 3 : ((K + 1) >= 2 ? 2 : 1); }
 
+/* F(args..., K) with K a compile-time constant (the inlined kernels unroll their per-mask loops): K = 1 .. 6 */
+#define ONEHOT_DISPATCH(K, F, ...)                                                                                     \
+    do {                                                                                                               \
+        switch (K) {                                                                                                   \
+        case 6: F(__VA_ARGS__, 6); break;                                                                              \
+        case 2: F(__VA_ARGS__, 2); break;                                                                              \
+        case 1: F(__VA_ARGS__, 1); break;                                                                              \
+        case 3: F(__VA_ARGS__, 3); break;                                                                              \
+        case 4: F(__VA_ARGS__, 4); break;                                                                              \
+        default: F(__VA_ARGS__, 5); break;                                                                             \
+        }                                                                                                              \
+    } while (0)
+
 /* out[i] = sum_c v_c z_c (see above) for rows r0 + i of a onehot stage; pm: the tile's parity spread to one bit
  * per coordinate (row i at pm + i * rowbytes) */
 AI void onehot_tile_t(const uint8_t *base, int64_t plane_stride, int64_t rowbytes, int64_t r0, int nr,
@@ -909,6 +922,32 @@ AI void onehot_tile_t(const uint8_t *base, int64_t plane_stride, int64_t rowbyte
         }
 }
 
+/* Step k of a onehot tile copy: its lines read (and the next tile's prefetched, `ahead` bytes on), its spread
+ * parity taken from the parity words pw ([word][row], bit b = block b), and the planes of v bit-sliced into V (planes
+ * 0 .. nb). Coordinates 32 k .. 32 k + 31 lie in blocks b0 = 4 k / 3 and b0 + 1, the first 24, 16 or 8 of them
+ * (k mod 3 = 0, 1, 2) in b0; past the row the words are zero (and so are the masks). */
+AI void onehot_tiled_step(const uint8_t *tile, int64_t k, int64_t ahead, const uint32_t *pw, int64_t pwords,
+                          __m512i *V, const int K) {
+    const int nb = onehot_value_bits(K);
+    const uint8_t *q = tile + k * (K + 1) * 64;
+    for (int m = 0; m <= K; m++) prefetch_line(q + m * 64, ahead);
+    __m512i M[6];
+    for (int m = 0; m < K; m++) M[m] = _mm512_loadu_si512(q + m * 64);
+    const __m512i S = _mm512_loadu_si512(q + K * 64);
+    const int64_t b0 = 4 * k / 3, w = b0 / 32;
+    const int sh = (int)(b0 % 32);
+    __m512i pb = w < pwords ? _mm512_srli_epi32(_mm512_loadu_si512(pw + 16 * w), (unsigned)sh) : _mm512_setzero_si512();
+    if (sh == 31 && w + 1 < pwords)
+        pb = _mm512_or_si512(pb, _mm512_slli_epi32(_mm512_loadu_si512(pw + 16 * (w + 1)), 1));
+    const uint32_t m0 = 0xffffffffu >> (8 + 8 * (k % 3));
+    const __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi32(1);
+    const __m512i p0 = _mm512_sub_epi32(zero, _mm512_and_si512(pb, one)); /* all ones where b0 is odd */
+    const __m512i p1 = _mm512_sub_epi32(zero, _mm512_and_si512(_mm512_srli_epi32(pb, 1), one));
+    const __m512i P = _mm512_or_si512(_mm512_and_si512(p0, _mm512_set1_epi32((int)m0)),
+                                      _mm512_and_si512(p1, _mm512_set1_epi32((int)~m0)));
+    ONEHOT_SLICE(__m512i, zero, M, P, S, V, K, nb);
+}
+
 /* onehot_tile_t on a 16-row tile copy of the stage (tile[k][plane][16 rows][4 bytes], K masks then the sign, zero
  * past a row's end): the same bit slicing and lookups, with plain loads instead of K + 1 gathers a step, and the
  * spread parity from the tile's parity words pw (pwords of them, [word][16 rows]). tab must cover
@@ -918,7 +957,6 @@ AI void onehot_tiled_tile_t(const uint8_t *tile, int64_t steps, int nr, const ui
     const int64_t ahead = steps * (K + 1) * 64; /* the next tile */
     const int nb = onehot_value_bits(K), bits = nb + 1;
     const __mmask16 lanes = (__mmask16)((1u << nr) - 1u);
-    const __m512i one = _mm512_set1_epi32(1);
     __m512 acc[4];
     for (int j = 0; j < bits; j++) acc[j] = _mm512_setzero_ps();
     const int64_t nch = (steps + 7) / 8, part = (nch + TILE_STREAMS - 1) / TILE_STREAMS; /* chunks of 8 steps */
@@ -926,27 +964,8 @@ AI void onehot_tiled_tile_t(const uint8_t *tile, int64_t steps, int nr, const ui
         const int64_t c = (ci % TILE_STREAMS) * part + ci / TILE_STREAMS, k1 = c * 8 + 8 < steps ? c * 8 + 8 : steps;
         if (c >= nch) continue;
         for (int64_t k = c * 8; k < k1; k++) {
-            const uint8_t *q = tile + k * (K + 1) * 64;
-            for (int m = 0; m <= K; m++) prefetch_line(q + m * 64, ahead);
-            __m512i M[6], V[4];
-            for (int m = 0; m < K; m++) M[m] = _mm512_loadu_si512(q + m * 64);
-            const __m512i S = _mm512_loadu_si512(q + K * 64);
-            /* the spread parity of coordinates 32 k .. 32 k + 31, from the parity words pw ([word][row], bit b = block
-             * b): they lie in blocks b0 = 4 k / 3 and b0 + 1, the first 24, 16 or 8 of them (k mod 3 = 0, 1, 2) in b0.
-             * Past the row the words are zero (and so are the masks). */
-            const int64_t b0 = 4 * k / 3, w = b0 / 32;
-            const int sh = (int)(b0 % 32);
-            __m512i pb = w < pwords ? _mm512_srli_epi32(_mm512_loadu_si512(pw + 16 * w), (unsigned)sh)
-                                    : _mm512_setzero_si512();
-            if (sh == 31 && w + 1 < pwords)
-                pb = _mm512_or_si512(pb, _mm512_slli_epi32(_mm512_loadu_si512(pw + 16 * (w + 1)), 1));
-            const uint32_t m0 = 0xffffffffu >> (8 + 8 * (k % 3));
-            const __m512i zero = _mm512_setzero_si512();
-            const __m512i p0 = _mm512_sub_epi32(zero, _mm512_and_si512(pb, one)); /* all ones where b0 is odd */
-            const __m512i p1 = _mm512_sub_epi32(zero, _mm512_and_si512(_mm512_srli_epi32(pb, 1), one));
-            const __m512i P = _mm512_or_si512(_mm512_and_si512(p0, _mm512_set1_epi32((int)m0)),
-                                              _mm512_and_si512(p1, _mm512_set1_epi32((int)~m0)));
-            ONEHOT_SLICE(__m512i, _mm512_setzero_si512(), M, P, S, V, K, nb);
+            __m512i V[4];
+            onehot_tiled_step(tile, k, ahead, pw, pwords, V, K);
             lookup_dword(V, tab + 128 * k, acc, bits);
         }
     }
@@ -955,14 +974,7 @@ AI void onehot_tiled_tile_t(const uint8_t *tile, int64_t steps, int nr, const ui
 
 static void onehot_tiled_tile(const uint8_t *tile, int64_t steps, int nr, const uint32_t *pw, int64_t pwords,
                               const float *tab, float *out, int K) {
-    switch (K) {
-    case 6: onehot_tiled_tile_t(tile, steps, nr, pw, pwords, tab, out, 6); break;
-    case 2: onehot_tiled_tile_t(tile, steps, nr, pw, pwords, tab, out, 2); break;
-    case 1: onehot_tiled_tile_t(tile, steps, nr, pw, pwords, tab, out, 1); break;
-    case 3: onehot_tiled_tile_t(tile, steps, nr, pw, pwords, tab, out, 3); break;
-    case 4: onehot_tiled_tile_t(tile, steps, nr, pw, pwords, tab, out, 4); break;
-    default: onehot_tiled_tile_t(tile, steps, nr, pw, pwords, tab, out, 5); break;
-    }
+    ONEHOT_DISPATCH(K, onehot_tiled_tile_t, tile, steps, nr, pw, pwords, tab, out);
 }
 
 static void planes_tile(const uint8_t *base, int64_t stride, int64_t rowbytes, int64_t r0, int nr, const float *tab,
@@ -977,14 +989,7 @@ static void planes_tile(const uint8_t *base, int64_t stride, int64_t rowbytes, i
 
 static void onehot_tile(const uint8_t *base, int64_t stride, int64_t rowbytes, int64_t r0, int nr, const uint8_t *pm,
                         const float *tab, float *out, int K) {
-    switch (K) {
-    case 6: onehot_tile_t(base, stride, rowbytes, r0, nr, pm, tab, out, 6); break;
-    case 2: onehot_tile_t(base, stride, rowbytes, r0, nr, pm, tab, out, 2); break;
-    case 1: onehot_tile_t(base, stride, rowbytes, r0, nr, pm, tab, out, 1); break;
-    case 3: onehot_tile_t(base, stride, rowbytes, r0, nr, pm, tab, out, 3); break;
-    case 4: onehot_tile_t(base, stride, rowbytes, r0, nr, pm, tab, out, 4); break;
-    default: onehot_tile_t(base, stride, rowbytes, r0, nr, pm, tab, out, 5); break;
-    }
+    ONEHOT_DISPATCH(K, onehot_tile_t, base, stride, rowbytes, r0, nr, pm, tab, out);
 }
 #endif
 
@@ -1212,7 +1217,7 @@ AI void onehot_int_tile_t(const uint8_t *tile, int64_t steps, const uint32_t *pw
                           const float *unit, const float *zsum, float *out, const int K) {
     const int64_t ahead = steps * (K + 1) * 64; /* the next tile */
     const int nb = onehot_value_bits(K);
-    const __m512i one = _mm512_set1_epi32(1), E = _mm512_set1_epi64((long long)0x8040201008040201ull);
+    const __m512i E = _mm512_set1_epi64((long long)0x8040201008040201ull);
     const __m512i nib = _mm512_set1_epi8(0x0f);
     const __m512i ix0 = _mm512_loadu_si512(g_oh_ix[0]), ix1 = _mm512_loadu_si512(g_oh_ix[1]);
     const __m512i iy0 = _mm512_loadu_si512(g_oh_iy[0]), iy1 = _mm512_loadu_si512(g_oh_iy[1]);
@@ -1225,24 +1230,8 @@ AI void onehot_int_tile_t(const uint8_t *tile, int64_t steps, const uint32_t *pw
         __m512i acc[12]; /* [m][piece] */
         for (int i = 0; i < 12; i++) acc[i] = _mm512_setzero_si512();
         for (int64_t k = 4 * b; k < k1; k++) {
-            const uint8_t *q = tile + k * (K + 1) * 64;
-            for (int m = 0; m <= K; m++) prefetch_line(q + m * 64, ahead);
-            __m512i M[6], V[4];
-            for (int m = 0; m < K; m++) M[m] = _mm512_loadu_si512(q + m * 64);
-            const __m512i S = _mm512_loadu_si512(q + K * 64);
-            const int64_t b0 = 4 * k / 3, w = b0 / 32; /* the spread parity, as in onehot_tiled_tile_t */
-            const int sh = (int)(b0 % 32);
-            __m512i pb = w < pwords ? _mm512_srli_epi32(_mm512_loadu_si512(pw + 16 * w), (unsigned)sh)
-                                    : _mm512_setzero_si512();
-            if (sh == 31 && w + 1 < pwords)
-                pb = _mm512_or_si512(pb, _mm512_slli_epi32(_mm512_loadu_si512(pw + 16 * (w + 1)), 1));
-            const uint32_t m0 = 0xffffffffu >> (8 + 8 * (k % 3));
-            const __m512i zero = _mm512_setzero_si512();
-            const __m512i p0 = _mm512_sub_epi32(zero, _mm512_and_si512(pb, one));
-            const __m512i p1 = _mm512_sub_epi32(zero, _mm512_and_si512(_mm512_srli_epi32(pb, 1), one));
-            const __m512i P = _mm512_or_si512(_mm512_and_si512(p0, _mm512_set1_epi32((int)m0)),
-                                              _mm512_and_si512(p1, _mm512_set1_epi32((int)~m0)));
-            ONEHOT_SLICE(__m512i, _mm512_setzero_si512(), M, P, S, V, K, nb);
+            __m512i V[4];
+            onehot_tiled_step(tile, k, ahead, pw, pwords, V, K);
             for (int j = nb + 1; j < 4; j++) V[j] = V[nb]; /* sign-extend v to 4 bits */
             const __m512i X[2] = {_mm512_permutex2var_epi8(V[0], ix0, V[1]), _mm512_permutex2var_epi8(V[0], ix1, V[1])};
             const __m512i Y[2] = {_mm512_permutex2var_epi8(V[2], ix0, V[3]), _mm512_permutex2var_epi8(V[2], ix1, V[3])};
@@ -1278,14 +1267,7 @@ AI void onehot_int_tile_t(const uint8_t *tile, int64_t steps, const uint32_t *pw
 
 static void onehot_int_tile(const uint8_t *tile, int64_t steps, const uint32_t *pw, int64_t pwords,
                             const int32_t *xo, const float *unit, const float *zsum, float *out, int K) {
-    switch (K) {
-    case 6: onehot_int_tile_t(tile, steps, pw, pwords, xo, unit, zsum, out, 6); break;
-    case 2: onehot_int_tile_t(tile, steps, pw, pwords, xo, unit, zsum, out, 2); break;
-    case 1: onehot_int_tile_t(tile, steps, pw, pwords, xo, unit, zsum, out, 1); break;
-    case 3: onehot_int_tile_t(tile, steps, pw, pwords, xo, unit, zsum, out, 3); break;
-    case 4: onehot_int_tile_t(tile, steps, pw, pwords, xo, unit, zsum, out, 4); break;
-    default: onehot_int_tile_t(tile, steps, pw, pwords, xo, unit, zsum, out, 5); break;
-    }
+    ONEHOT_DISPATCH(K, onehot_int_tile_t, tile, steps, pw, pwords, xo, unit, zsum, out);
 }
 #else
 #define HAVE_ONEHOT_INT 0
