@@ -1,7 +1,8 @@
 """Batch-1 matrix-vector products: accel's fused decode kernels against torch's dense fp32 and bf16 matvec.
 
 Per shape (out x in): the time of torch.mv in fp32 and bf16, and of every accel CPU kernel on random stored
-weights of its format; the bytes one call reads (every stored part of the weight, plus x and y), the GB/s that
+weights of its format; the bytes one call reads (every stored part of the weight, plus x and y, plus what the
+kernel derives at load and reads on every call: the Leech transforms' signs and odd-factor rotation), the GB/s that
 implies, the speedup over fp32, and the fraction of the kernel's own byte bound, where the byte bound is the
 bytes divided by the bandwidth of a large multi-threaded copy measured in the same run (read + write bytes, as
 STREAM counts a copy). Weights are random codes packed by the format library's own layouts (for Leech: random
@@ -121,7 +122,7 @@ def run(shapes, kernels, threads: int, min_seconds: float, footprint: int, seed:
         x = rng.standard_normal(cols).astype(np.float32)
         xt = torch.from_numpy(x)
         io_bytes = 4 * (rows + cols)
-        results = {}
+        results, stored = {}, {}
         for name, dtype in (("torch-fp32", torch.float32), ("torch-bf16", torch.bfloat16)):
             w = torch.randn(rows, cols, dtype=torch.float32).to(dtype)
             nbytes = w.numel() * w.element_size()
@@ -136,12 +137,13 @@ def run(shapes, kernels, threads: int, min_seconds: float, footprint: int, seed:
             weights = [kernel_weight(entry, p) for p in _replicas(parts, nbytes, footprint)]
             out = np.empty(rows, dtype=np.float32)
             seconds = _time([(lambda k=k, x=x, out=out: k.matvec(x, out)) for k in weights], min_seconds)
-            results[kind] = (*seconds, weights[0].nbytes + io_bytes)
+            results[kind] = (*seconds, weights[0].call_bytes + io_bytes)
+            stored[kind] = weights[0].nbytes + io_bytes
             del weights
         fp32 = results["torch-fp32"][0]
         for kernel, (seconds, median, nbytes) in results.items():
             rows_out.append({"shape": shape, "kernel": kernel, "us": seconds * 1e6, "us_median": median * 1e6,
-                             "bytes": int(nbytes),
+                             "bytes": int(nbytes), "stored_bytes": int(stored.get(kernel, nbytes)),
                              "gbps": nbytes / seconds / 1e9, "speedup_vs_fp32": fp32 / seconds,
                              "byte_bound_fraction": (nbytes / (bandwidth * 1e9)) / seconds})
         print(f"  measured {shape}", file=sys.stderr, flush=True)

@@ -211,6 +211,19 @@ def test_leech_matvec_odd_rotations(simd, rng, cols, layout):
         set_threads(0)
 
 
+def test_leech_call_bytes_count_the_transforms(rng):
+    """What one Leech matvec reads: the stored parts, plus both sign vectors and each odd-factor rotation (m > 1)."""
+    from accel.kernels import kernel_weight
+
+    entry, arrays = encode_tensor("w", rng.standard_normal((21, 100)), "leech", shells=(13,), seed_in=6, seed_out=7)
+    kw = kernel_weight(entry, _parts(entry, arrays))
+    cols = int(entry.params["cols"])  # 120 = 8 * 15; 21 rows: odd factor 21
+    assert kw.call_bytes - kw.nbytes == 4 * (cols + 21) + 4 * (15 * 15 + 21 * 21)
+    affine, arrays = encode_tensor("a", rng.standard_normal((8, 64)), "affine", levels=16, group=32)
+    aw = kernel_weight(affine, _parts(affine, arrays))
+    assert aw.call_bytes == aw.nbytes
+
+
 @pytest.mark.parametrize("n", [1, 8, 23, 24, 96, 432, 576, 1104, 1536, 4104])
 def test_rht_matches_numpy(rng, n, simd):
     from accel.kernels.weights import ptr
@@ -225,6 +238,22 @@ def test_rht_matches_numpy(rng, n, simd):
         s32 = signs.astype(np.float32)
         assert lib.accel_rht(ptr(data), 3, n, ptr(s32), ptr(mat), split_size(n)[0], int(inverse), 0) == 0
         assert _rel(data, rht(x, 77, inverse=inverse)) < 1e-6
+
+
+@pytest.mark.parametrize("n", [23, 432, 4104])
+def test_rht_torch_matches_numpy(rng, n):
+    """The GPU path's transform (torch ops, run here on the CPU) takes the factors as the C kernels do."""
+    import torch
+
+    from accel.kernels.triton_kernels import rht_torch
+    from accel.quantize.incoherence import _factors, split_size
+
+    signs, r = _factors(n, 77)
+    x = rng.standard_normal((3, n))
+    for inverse in (False, True):
+        mat = torch.from_numpy(np.ascontiguousarray(r.T if inverse else r))
+        got = rht_torch(torch.from_numpy(x), torch.from_numpy(signs), mat, split_size(n)[0], inverse).numpy()
+        assert _rel(got, rht(x, 77, inverse=inverse)) < 1e-12
 
 
 def test_half_to_float_exhaustive():

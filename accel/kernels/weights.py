@@ -54,7 +54,9 @@ class KernelWeight:
 
     kind: str
     shape: tuple[int, int]
-    nbytes: int  # stored bytes of all parts: what one matvec reads of the weight
+    nbytes: int  # bytes of the parts the kernel reads (Leech: of the serving layout a compact stream becomes)
+    call_bytes: int  # what one matvec reads of the weight: nbytes, plus what is derived at load and read on every
+    # call (the Leech transforms' signs and odd-factor rotations)
     inner: int  # width of a decoded row tile (in_features, or the padded transformed width for leech)
 
     def matvec(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -102,7 +104,7 @@ class AffineWeight(KernelWeight):
         self.codes = np.ascontiguousarray(parts["codes"]).reshape(-1)
         self.scale = np.ascontiguousarray(parts["scale"])
         self.offset = None if self.symmetric else np.ascontiguousarray(parts["offset"])
-        self.nbytes = int(sum(np.asarray(a).nbytes for a in parts.values()))
+        self.nbytes = self.call_bytes = int(sum(np.asarray(a).nbytes for a in parts.values()))
         self._lib = library()
         # a 16-row tile copy for the integer kernels (accel_kernels.c), where the CPU and the shapes allow; it
         # replaces the stored stream in memory. "packed": 8/4/2-bit codes; "base3": L = 3, regrouped by row
@@ -248,6 +250,8 @@ class LeechWeight(KernelWeight):
             self.factors[side] = (np.ascontiguousarray(signs, dtype=np.float32),
                                   np.ascontiguousarray(rot if side == "in" else rot.T, dtype=np.float32),
                                   split_size(size)[0])
+        self.call_bytes = self.nbytes + sum(signs.nbytes + (mat.nbytes if odd > 1 else 0)
+                                            for signs, mat, odd in self.factors.values())
 
     def _head(self) -> tuple:
         return (self.nstages, self._stream_ptrs, self._stream_bytes, self._kinds, self._params, self._alphas,
