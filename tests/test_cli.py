@@ -272,3 +272,14 @@ def test_worker_count_does_not_change_the_bytes(tiny_llama, tmp_path):
                      "--out", str(tmp_path / f"j{jobs}")]) == 0
     for f in sorted(p.name for p in (tmp_path / "j1").iterdir()):
         assert (tmp_path / "j1" / f).read_bytes() == (tmp_path / "j2" / f).read_bytes(), f
+
+
+def test_user_text_is_printed_as_written(capsys, tmp_path):
+    """Rich would turn ':abc:' into an emoji and '[bold]' into a style: a spec or a path is printed verbatim."""
+    code, _, err = run(capsys, "quantize", "tiny-gdn", "--state", "damp:abc", "--calib", tmp_path / "[bold]c",
+                       "--out", tmp_path / "o")
+    assert_one_line_error(code, err)
+    assert "damp:abc:" in err or "[bold]c" in err
+    code, _, err = run(capsys, "inspect", tmp_path / ":abc:[bold]x")
+    assert_one_line_error(code, err, contains=":abc:[bold]x")
+

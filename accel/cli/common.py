@@ -14,8 +14,10 @@ from rich.progress import Progress as RichBar
 from accel.errors import AccelError
 from accel.progress import Progress
 
-stderr = Console(stderr=True, highlight=False)
-stdout = Console(highlight=False)
+# Text from the user (paths, model names, specs such as damp:abc) is printed as it is: no emoji codes (":abc:"
+# would become an emoji) and no markup unless a call asks for it (markup=True with escaped values)
+stderr = Console(stderr=True, highlight=False, emoji=False, markup=False)
+stdout = Console(highlight=False, emoji=False, markup=False)
 
 JSON_OPTION = typer.Option(False, "--json", help="Print one JSON object on stdout (logs and progress go to stderr).")
 

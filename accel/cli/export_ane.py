@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from accel.cli.common import JSON_OPTION, BarProgress, emit_json, stdout
@@ -106,7 +107,7 @@ def verify_package_cli(path: Path, reference: str | None, json_out: bool) -> Non
         emit_json(report)
     else:
         for line in report["errors"]:
-            stdout.print(f"[red]FAULT[/] {line}", soft_wrap=True, markup=True, highlight=False)
+            stdout.print(f"[red]FAULT[/] {escape(line)}", soft_wrap=True, markup=True, highlight=False)
         for call in report.get("calls", []) if isinstance(report.get("calls"), list) else []:
             stdout.print(f"{call['call']}: {call['tokens']} token(s), relative logit error {call['rel_error']:.3g}, "
                          f"top-1 agreement {call['top1_agreement']:.0%}")

@@ -77,11 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         message = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
         if want_json:
             emit_json({"ok": False, "error": message})
-        stderr.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
+        stderr.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True, markup=True)
         return 2
     except CheckFailed as exc:
         if str(exc):
-            stderr.print(f"[bold red]failed:[/] {escape(str(exc))}", soft_wrap=True)
+            stderr.print(f"[bold red]failed:[/] {escape(str(exc))}", soft_wrap=True, markup=True)
         return 1
     except KeyboardInterrupt:
         stderr.print("interrupted")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from accel.cli.common import JSON_OPTION, emit_json, stdout
 
@@ -21,5 +22,5 @@ def register(app: typer.Typer) -> None:
             return
         table = Table("alias", "description", "resolves to")
         for row in rows:
-            table.add_row(row["alias"], row["description"], row["path"] or f"[dim]{row['problem']}[/]")
+            table.add_row(row["alias"], row["description"], row["path"] or Text(str(row["problem"]), style="dim"))
         stdout.print(table)

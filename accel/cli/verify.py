@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 
 from accel.cli.common import JSON_OPTION, BarProgress, emit_json, stdout
 from accel.errors import CheckFailed
@@ -31,7 +32,7 @@ def register(app: typer.Typer) -> None:
             emit_json({k: v for k, v in report.items() if k != "rel_error"})
         else:
             for line in report["errors"]:
-                stdout.print(f"[red]FAULT[/] {line}", soft_wrap=True, markup=True, highlight=False)
+                stdout.print(f"[red]FAULT[/] {escape(line)}", soft_wrap=True, markup=True, highlight=False)
             if "max_rel_error" in report:
                 stdout.print(f"max relative error {report['max_rel_error']:.4g} "
                              f"({report['max_rel_error_tensor']}), max abs error {report['max_abs_error']:.4g}")
