@@ -283,3 +283,16 @@ def test_user_text_is_printed_as_written(capsys, tmp_path):
     code, _, err = run(capsys, "inspect", tmp_path / ":abc:[bold]x")
     assert_one_line_error(code, err, contains=":abc:[bold]x")
 
+
+@pytest.mark.parametrize("argv", [["eval", "tiny-gdn", "--kv", "fp16"], ["eval", "tiny-kda", "--kv", "affine:16"],
+                                  ["calibrate", "tiny-gdn", "--for", "kv"]])
+def test_kv_maps_refuse_hybrid_models(capsys, tmp_path, argv):
+    """A KV cache over a model with linear-attention layers was a traceback (transformers asked the packed KV
+    layer for a conv state); now a one-line refusal, and nothing written."""
+    data = tmp_path / "t.txt"
+    data.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    extra = ["--out", tmp_path / "c"] if argv[0] == "calibrate" else ["--windows", "1", "--seq-len", "32"]
+    code, _, err = run(capsys, *argv, "--data", data, *extra)
+    assert_one_line_error(code, err, contains="linear-attention layers")
+    assert not (tmp_path / "c").exists()
+

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from accel.errors import AccelError
 from accel.formats.bitpack import pack_base_levels, unpack_base_levels
 from accel.quantize import kv_affine, turboquant
 
@@ -443,7 +444,16 @@ def rope_theta_of(config: Any) -> float | None:
 
 
 def model_kv_shape(config: dict[str, Any]) -> tuple[int, int, int]:
-    """(layers, KV heads, head dim) of a decoder config."""
+    """(layers, KV heads, head dim) of a decoder config whose every layer is full attention (AccelError for a
+    hybrid with linear-attention layers: the KV cache and maps here index every layer as an attention layer)."""
+    from accel.runtime.state_shapes import GDN_TYPES, KDA_TYPES, state_shape
+
+    if config.get("model_type") in (*GDN_TYPES, *KDA_TYPES):
+        linear = state_shape(config).layers
+        if linear:
+            raise AccelError(f"KV maps and KV caches need a model whose every layer is full attention; this "
+                             f"{config.get('model_type')} model has {len(linear)} linear-attention layers of "
+                             f"{config.get('num_hidden_layers')} (their recurrent state takes a --state map)")
     layers = int(config["num_hidden_layers"])
     heads = int(config["num_attention_heads"])
     kv_heads = int(config.get("num_key_value_heads") or heads)
