@@ -249,8 +249,9 @@ def test_corrupt_outputs_are_one_line_errors(capsys, rtn4, tmp_path, corrupt, me
 
 def test_leech2_with_calibration_end_to_end(capsys, tiny_llama, tmp_path, text_file):
     calib = tmp_path / "calib"
-    run_json(capsys, "calibrate", tiny_llama, "--for", "weights", "--data", text_file, "--out", calib,
-             "--samples", "4", "--seq-len", "32")
+    report = run_json(capsys, "calibrate", tiny_llama, "--for", "weights", "--data", text_file, "--out", calib,
+                      "--windows", "4", "--seq-len", "32")  # --windows: eval's name for --samples
+    assert report["tokens"] == 4 * 32
     out = tmp_path / "l2"
     q = run_json(capsys, "quantize", tiny_llama, "--weights", "leech2", "--calib", calib, "--out", out)
     info = run_json(capsys, "inspect", out)
