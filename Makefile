@@ -31,9 +31,18 @@ demo: $(STAMP) $(DEMO_DATA)
 	$(BIN)/accel verify $(DEMO_DIR)/smollm2-rtn4 --reference smollm2-135m
 	$(BIN)/accel eval $(DEMO_DIR)/smollm2-rtn4 --data $(DEMO_DATA) --reference smollm2-135m --windows 8 --seq-len 256
 
-test: $(STAMP)
+# Triton (no GPU here) in its own directory, not in .venv: the Triton kernels' logic is checked on the CPU under
+# Triton's interpreter in a second pytest run, and the main suite never sees Triton
+TRITON := build/triton-3.9.0
+$(TRITON)/.installed: $(STAMP)
+	$(BIN)/pip install --quiet --no-deps --target $(TRITON) triton==3.9.0
+	touch $@
+
+test: $(STAMP) $(TRITON)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
+	PYTHONPATH=$(TRITON) TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider \
+		tests/test_kernels_triton.py tests/test_state_update.py -k triton
 
 clean:
 	rm -rf build .pytest_cache

@@ -146,6 +146,25 @@ def test_base3_tile_copy(rng, shape, symmetric, group):
     assert np.linalg.norm(out_float - ref) / np.linalg.norm(bound) < 1e-6
 
 
+@pytest.mark.parametrize("shape", [(1, 23), (17, 200), (40, 64)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("levels,layout,symmetric,group", [(256, "packed", False, 64), (16, "packed", True, 32),
+                                                           (4, "packed", False, 16), (3, "base", False, 45),
+                                                           (3, "base", True, 7), (5, "base", False, 16)])
+def test_affine_stored_layout_is_recovered(rng, shape, levels, layout, symmetric, group):
+    """The Triton path reads the stored layout; where the CPU tile copy replaced it, stored() gives it back
+    bit-exactly (the tile copy is a bijection on the stored bytes)."""
+    from accel.kernels import kernel_weight
+
+    entry, arrays = encode_tensor("w", rng.standard_normal(shape), "affine", layout=layout, levels=levels,
+                                  group=group, symmetric=symmetric)
+    parts = _parts(entry, arrays)
+    kw = kernel_weight(entry, parts)
+    got = kw.stored()
+    assert sorted(got) == sorted(parts)
+    for name, part in parts.items():
+        assert np.array_equal(got[name].reshape(-1).view(np.uint8), np.ascontiguousarray(part).reshape(-1).view(np.uint8))
+
+
 def test_affine_float32_scales(simd, rng):
     w = rng.standard_normal((19, 70)) * 1e5  # too large for fp16 scales: the codec stores float32
     for symmetric in (False, True):
@@ -251,8 +270,8 @@ def test_rht_torch_matches_numpy(rng, n):
     signs, r = _factors(n, 77)
     x = rng.standard_normal((3, n))
     for inverse in (False, True):
-        mat = torch.from_numpy(np.ascontiguousarray(r.T if inverse else r))
-        got = rht_torch(torch.from_numpy(x), torch.from_numpy(signs), mat, split_size(n)[0], inverse).numpy()
+        mat = torch.tensor(r.T if inverse else r)  # copies: the cached factors are read-only
+        got = rht_torch(torch.from_numpy(x), torch.tensor(signs), mat, split_size(n)[0], inverse).numpy()
         assert _rel(got, rht(x, 77, inverse=inverse)) < 1e-12
 
 

@@ -171,9 +171,11 @@ class GpuWeight:
             if weight.base_b > 24:
                 raise TypeError(f"the Triton base-L kernel reads group values of at most 24 bits, not {weight.base_b}")
             self.kind = "affine"
-            self.codes = dev(weight.codes)
-            self.scale = dev(weight.scale.astype(np.float32))
-            self.offset = dev(weight.offset.astype(np.float32)) if weight.offset is not None else self.scale
+            stored = weight.stored()  # the stored layout, not the CPU kernels' tile copy
+            self.codes = dev(stored["codes"])
+            self.scale = dev(stored["scale"].reshape(self.shape[0], -1).astype(np.float32))
+            self.offset = (dev(stored["offset"].reshape(self.shape[0], -1).astype(np.float32)) if "offset" in stored
+                           else self.scale)
         elif isinstance(weight, LeechWeight):
             self.kind = "leech"
             self.streams = [dev(s) for s in weight.streams]

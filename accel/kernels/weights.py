@@ -157,6 +157,32 @@ class AffineWeight(KernelWeight):
         self.scale = by_tile(self.scale)
         self.offset = None if self.offset is None else by_tile(self.offset)
 
+    def stored(self) -> dict[str, np.ndarray]:
+        """The parts in their stored layout (`codes` flat, `scale`, `offset` [rows, groups]), for readers other than
+        the CPU kernels (the Triton path): the tile copy inverted when it replaced them, bit-exact."""
+        rows, cols = self.shape
+        ngroups = -(-cols // self.group)
+        if not self.tiled:
+            sides = {"scale": self.scale, "offset": self.offset}
+            return {"codes": self.codes, **{k: v for k, v in sides.items() if v is not None}}
+        ntiles = -(-rows // 16)
+        steps = self.codes.size // (ntiles * 64)
+        by_row = self.codes.reshape(ntiles, steps, 16, 4).transpose(0, 2, 1, 3).reshape(ntiles * 16, steps * 4)[:rows]
+        if self.tiled == "packed":
+            codes = np.ascontiguousarray(by_row[:, : cols * self.bits // 8]).reshape(-1)
+        else:  # base3: each row's bytes hold its codes 5 a byte from the row's first code; the format's stream runs on
+            nb = -(-cols // 5)
+            digits = (by_row[:, :nb, None] // np.array([1, 3, 9, 27, 81], dtype=np.uint8)) % 3
+            codes = bitpack.pack_base_levels(digits.reshape(rows, nb * 5)[:, :cols].reshape(-1), 3)
+
+        def by_rows(side: np.ndarray) -> np.ndarray:
+            return np.ascontiguousarray(side.transpose(0, 2, 1).reshape(ntiles * 16, ngroups)[:rows])
+
+        out = {"codes": codes, "scale": by_rows(self.scale)}
+        if self.offset is not None:
+            out["offset"] = by_rows(self.offset)
+        return out
+
     def _tiled_args(self) -> tuple:
         sides = (int(self.symmetric), int(self.scale_f32), ptr(self.scale),
                  None if self.offset is None else ptr(self.offset), self.shape[0], self.shape[1], self.group)
