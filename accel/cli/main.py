@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import click
@@ -60,7 +61,15 @@ _EXIT, _ABORT, _USAGE = _click_classes("Exit"), _click_classes("Abort"), _click_
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    _SIGTERM["seen"] = False
+    code = _dispatch(sys.argv[1:] if argv is None else argv)
+    if _SIGTERM["seen"]:  # typer turns the interrupt into a plain return of 130
+        stderr.print("terminated")
+        return 143
+    return code
+
+
+def _dispatch(argv: list[str]) -> int:
     want_json = "--json" in argv
     try:
         result = app(args=argv, prog_name="accel", standalone_mode=False)
@@ -83,13 +92,29 @@ def main(argv: list[str] | None = None) -> int:
         if str(exc):
             stderr.print(f"[bold red]failed:[/] {escape(str(exc))}", soft_wrap=True, markup=True)
         return 1
-    except KeyboardInterrupt:
-        stderr.print("interrupted")
+    except KeyboardInterrupt:  # SIGTERM included (main reports it)
+        if not _SIGTERM["seen"]:
+            stderr.print("interrupted")
         return 130
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like Ctrl-C so that what is half written is removed on the way out."""
+
+
+_SIGTERM = {"seen": False}
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    _SIGTERM["seen"] = True
+    raise Terminated()
+
+
 
 
 def run() -> None:
     # transformers' notes (pure-PyTorch fallbacks for GDN/KDA kernels, deprecations) are not the user's concern
     # here; TRANSFORMERS_VERBOSITY=warning brings them back
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    signal.signal(signal.SIGTERM, _on_sigterm)
     sys.exit(main())

@@ -43,18 +43,38 @@ def default_jobs() -> int:
 
 @contextlib.contextmanager
 def worker_pool(jobs: int) -> Iterator[Executor | None]:
-    """A spawn-based pool of `jobs` workers (None for jobs <= 1: the caller works in-process)."""
+    """A spawn-based pool of `jobs` workers (None for jobs <= 1: the caller works in-process).
+
+    When the block raises (an error, Ctrl-C, or SIGTERM, which the CLI turns into an exception), the queued work is
+    cancelled and the workers are stopped at once: a plain `with ProcessPoolExecutor()` would first wait for every
+    tensor already submitted, minutes on a real model, and a parent killed meanwhile left its workers running."""
     if jobs <= 1:
         yield None
         return
     saved = {k: os.environ.get(k) for k in _THREAD_VARS}
     os.environ.update({k: "1" for k in _THREAD_VARS})  # read by the workers' numpy at import
     try:
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+        try:
             yield pool
+        except BaseException:
+            stop_pool(pool)
+            raise
+        pool.shutdown(wait=True)
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def stop_pool(pool: ProcessPoolExecutor) -> None:
+    """Cancel what has not started and end the workers now (what has started is abandoned)."""
+    workers = list((getattr(pool, "_processes", None) or {}).values())  # CPython keeps them here (3.9-3.13)
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in workers:
+        process.terminate()
+    for process in workers:
+        process.join(timeout=5)
+
