@@ -14,21 +14,30 @@ from accel.quantize.methods import WeightMethod, WeightSettings, register_weight
 
 
 def hqq_grid(weight: np.ndarray, bits: int, group: int) -> tuple[np.ndarray, np.ndarray]:
-    """HQQ's optimized per-group (scale, offset) as fp16 arrays of shape (rows, cols // group)."""
+    """HQQ's optimized per-group (scale, offset) as fp16 arrays of shape (rows, ceil(cols / group)).
+
+    The hqq package wants whole groups; a row whose length is not a multiple of `group` (an MLA projection 32 wide,
+    say) has its last, shorter group optimized on its own, as the affine codec stores it (a partial last group)."""
     try:
         import torch
         from hqq.core.quantize import Quantizer
     except ImportError:
         raise AccelError("--weights hqqN needs the hqq package: pip install hqq") from None
     rows, cols = weight.shape
+    whole = cols - cols % group
+    pieces = [(0, whole, group)] if whole else []
     if cols % group:
-        raise AccelError(f"hqq needs the row length {cols} to be a multiple of --group {group}")
-    _, meta = Quantizer.quantize(torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32)), nbits=bits,
-                                 group_size=group, optimize=True, axis=1, bitpack=False, device="cpu",
-                                 compute_dtype=torch.float32)
-    scale = meta["scale"].double().numpy().reshape(rows, cols // group)
-    zero = meta["zero"].double().numpy().reshape(rows, cols // group)
-    return scale.astype(np.float16), (-zero * scale).astype(np.float16)
+        pieces.append((whole, cols, cols % group))
+    scales, offsets = [], []
+    for c0, c1, size in pieces:
+        part = np.ascontiguousarray(weight[:, c0:c1], dtype=np.float32)
+        _, meta = Quantizer.quantize(torch.from_numpy(part), nbits=bits, group_size=size, optimize=True, axis=1,
+                                     bitpack=False, device="cpu", compute_dtype=torch.float32)
+        scale = meta["scale"].double().numpy().reshape(rows, (c1 - c0) // size)
+        zero = meta["zero"].double().numpy().reshape(rows, (c1 - c0) // size)
+        scales.append(scale)
+        offsets.append(-zero * scale)
+    return np.concatenate(scales, axis=1).astype(np.float16), np.concatenate(offsets, axis=1).astype(np.float16)
 
 
 def _hqq(bits: int):
