@@ -80,6 +80,30 @@ def test_eval_against_itself_has_zero_delta(capsys, tiny_llama, text_file):
     assert ev["ppl"] == pytest.approx(np.exp(ev["nll"]))
 
 
+def test_one_window_has_no_interval(capsys, tiny_llama, rtn4, text_file):
+    """A bootstrap over one pair is a point, not a 95% interval: null in --json, said so in the text."""
+    ev = run_json(capsys, "eval", rtn4, "--data", text_file, "--reference", tiny_llama, "--windows", "1",
+                  "--seq-len", "32")
+    assert ev["windows"] == 1 and ev["delta_nll_ci"] == [None, None] and ev["delta_nll"] != 0.0
+    code, out, _ = run(capsys, "eval", rtn4, "--data", text_file, "--reference", tiny_llama, "--windows", "1",
+                       "--seq-len", "32")
+    assert code == 0 and "one window: no interval" in out
+
+
+def test_kv_calibration_needs_two_windows(capsys, tiny_llama, text_file, tmp_path):
+    code, _, err = run(capsys, "calibrate", tiny_llama, "--for", "kv", "--data", text_file, "--out", tmp_path / "c",
+                       "--samples", "1")
+    assert_one_line_error(code, err, contains="at least 2")
+    assert not (tmp_path / "c").exists()
+
+
+def test_json_has_no_bare_nan(capsys):
+    from accel.cli.common import emit_json
+
+    emit_json({"a": float("nan"), "b": [1.0, float("inf")], "c": {"d": np.float64("nan")}, "e": 2})
+    assert json.loads(capsys.readouterr().out) == {"a": None, "b": [1.0, None], "c": {"d": None}, "e": 2}
+
+
 def test_quantize_output_is_byte_identical_across_runs(tiny_llama, rtn4, tmp_path):
     again = tmp_path / "again"
     assert main(["quantize", str(tiny_llama), "--weights", "rtn4", "--out", str(again)]) == 0

@@ -93,9 +93,15 @@ def calibrate(model: str, data: Path, out: Path, kinds: list[str], settings: Cal
     if not kinds:
         raise AccelError("--for is empty: choose from weights, kv, state")
     runners = {kind: get_kind(kind) for kind in dict.fromkeys(kinds)}
+    if "kv" in runners and settings.samples < 2:
+        raise AccelError(f"--for kv pairs windows for its bootstrap intervals: --samples must be at least 2, "
+                         f"got {settings.samples}")
     text = read_text(data)
     loaded = load_causal_lm(model, progress)
     windows = pick_windows(loaded.tokenizer, text, settings)
+    if "kv" in runners and len(windows) < 2:
+        raise AccelError(f"--for kv needs at least 2 windows of --seq-len {settings.seq_len}; the text holds "
+                         f"{len(windows)}")
     reports: dict[str, Any] = {}
     with output_dir(Path(out), force, inputs=[Path(model), Path(data)]) as tmp:
         for kind, run in runners.items():

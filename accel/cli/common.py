@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from typing import Any
 
@@ -23,8 +24,21 @@ JSON_OPTION = typer.Option(False, "--json", help="Print one JSON object on stdou
 
 
 def emit_json(obj: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(obj, sort_keys=True, default=_jsonable) + "\n")
+    """One JSON object on stdout; NaN and infinities (which json.dumps would write as bare NaN, not JSON) as null."""
+    sys.stdout.write(json.dumps(_finite(obj), sort_keys=True, default=_jsonable, allow_nan=False) + "\n")
     sys.stdout.flush()
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:
+        return _finite(value.item())
+    return value
 
 
 def _jsonable(value: Any) -> Any:

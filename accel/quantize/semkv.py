@@ -274,18 +274,19 @@ class SemKV(_PackedMethod, kind="kv", name="semkv"):
         if ctx.calib is None:
             raise AccelError("--kv semkv needs --calib (run `accel calibrate MODEL --for kv` first)")
         calib = load_kv_calibration(ctx.calib, ctx.config)
+        flag = f"--kv semkv:{arg}" if arg else "--kv semkv"
         base, spec = None, arg or "auto"
         head, _, rest = spec.partition(":")
         if head in ("affine", "turbo"):
             base, spec = head, rest or "auto"
         elif head in BASES:
-            raise AccelError(f"--kv semkv:{arg}: the base must be affine or turbo")
+            raise AccelError(f"{flag}: the base must be affine or turbo")
         elif "/" not in head and head != "auto":
-            raise AccelError(f"--kv semkv:{arg}: unknown base quantizer {head!r} (affine or turbo)")
+            raise AccelError(f"{flag}: unknown base quantizer {head!r} (affine or turbo)")
         pick = calib.recommendation(base)
         if spec == "auto":
             if pick is None:
-                raise AccelError(f"--kv semkv:{arg}: the calibration found no level count without detectable loss"
+                raise AccelError(f"{flag}: the calibration found no level count without detectable loss"
                                  f"{' for ' + base if base else ''}; give LLO/LHI@FRAC explicitly")
             lo, hi, frac = pick["levels"][0], pick["levels"][1], pick["frac"]
             base = pick["base"]
