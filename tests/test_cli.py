@@ -321,3 +321,12 @@ def test_kv_maps_refuse_hybrid_models(capsys, tmp_path, argv):
     assert_one_line_error(code, err, contains="linear-attention layers")
     assert not (tmp_path / "c").exists()
 
+
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_a_gguf_is_named_as_such(capsys, tmp_path, command):
+    """A GGUF given to inspect or verify was reported as a safetensors file with a corrupt header."""
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF" + bytes(range(256)) * 4)
+    code, _, err = run(capsys, command, path)
+    assert_one_line_error(code, err, contains="is a GGUF model file, not an accel output")
+

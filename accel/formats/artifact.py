@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from accel.errors import FormatError
+from accel.errors import AccelError, FormatError
 from accel.formats.atomic import atomic_write_text
 from accel.formats.container import AccelFile, write_file
 from accel.formats.tensor import TensorEntry
@@ -96,6 +96,11 @@ class Artifact:
 
     def _weight_files(self) -> list[Path]:
         if self.path.is_file():
+            with open(self.path, "rb") as f:
+                magic = f.read(4)
+            if magic == b"GGUF":  # a source model, not something accel wrote
+                raise AccelError(f"{self.path.name} is a GGUF model file, not an accel output (inspect and verify read "
+                                 f"what accel quantize writes; quantize and eval take a GGUF as MODEL)")
             return [self.path]
         index = self.path / INDEX_FILE
         if index.exists():
