@@ -330,3 +330,12 @@ def test_a_gguf_is_named_as_such(capsys, tmp_path, command):
     code, _, err = run(capsys, command, path)
     assert_one_line_error(code, err, contains="is a GGUF model file, not an accel output")
 
+
+def test_a_byte_order_mark_is_not_text(capsys, tiny_llama, text_file, tmp_path):
+    """A UTF-8 BOM (Windows editors) became three more tokens, an outlier first window."""
+    bom = tmp_path / "bom.txt"
+    bom.write_bytes(b"\xef\xbb\xbf" + text_file.read_bytes())
+    plain = run_json(capsys, "eval", tiny_llama, "--data", text_file, "--windows", "2", "--seq-len", "32")
+    marked = run_json(capsys, "eval", tiny_llama, "--data", bom, "--windows", "2", "--seq-len", "32")
+    assert marked["nll"] == plain["nll"] and marked["tokens"] == plain["tokens"]
+

@@ -10,13 +10,14 @@ from accel.errors import AccelError
 
 
 def read_text(path: Path) -> str:
-    """A UTF-8 text file with some non-whitespace content, or a one-line AccelError."""
+    """A UTF-8 text file with some non-whitespace content, or a one-line AccelError. A leading byte-order mark
+    (Windows editors write one) is file metadata, not text: it is dropped, as Python's utf-8-sig codec does."""
     path = Path(path)
     if not path.is_file():
         raise AccelError(f"--data {path}: no such file")
     raw = path.read_bytes()
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise AccelError(f"--data {path}: not UTF-8 text (bad byte at offset {exc.start})") from None
     if not text.strip():
