@@ -339,3 +339,9 @@ def test_a_byte_order_mark_is_not_text(capsys, tiny_llama, text_file, tmp_path):
     marked = run_json(capsys, "eval", tiny_llama, "--data", bom, "--windows", "2", "--seq-len", "32")
     assert marked["nll"] == plain["nll"] and marked["tokens"] == plain["tokens"]
 
+
+def test_jobs_must_be_positive(capsys, tiny_llama, tmp_path):
+    code, _, err = run(capsys, "quantize", tiny_llama, "--weights", "leech2", "--jobs", "0", "--out", tmp_path / "q")
+    assert_one_line_error(code, err, contains="--jobs must be at least 1")
+    assert not (tmp_path / "q").exists()
+

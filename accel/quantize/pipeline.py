@@ -98,6 +98,8 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
 
     started = time.perf_counter()
     jobs = default_jobs() if jobs is None else jobs
+    if jobs < 1:
+        raise AccelError(f"--jobs must be at least 1, got {jobs}")
     _check_settings(settings)
     check_output_dir(Path(out), force)
     method: WeightMethod | None = get_weight_method(settings.weights) if settings.weights else None
