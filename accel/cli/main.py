@@ -110,8 +110,6 @@ def _on_sigterm(signum: int, frame: object) -> None:
     raise Terminated()
 
 
-
-
 def run() -> None:
     # transformers' notes (pure-PyTorch fallbacks for GDN/KDA kernels, deprecations) are not the user's concern
     # here; TRANSFORMERS_VERBOSITY=warning brings them back
