@@ -115,7 +115,8 @@ class RawCodec(Codec, name="raw"):
         return Encoded(params={"dtype": dtype}, side={"values": dtypes.to_storage(x, dtype)})
 
     def check_params(self, params, shape):
-        _require(params.get("dtype") in dtypes.FLOAT_STORAGE, f"raw codec dtype {params.get('dtype')!r} is unknown")
+        dtype = params.get("dtype")
+        _require(isinstance(dtype, str) and dtype in dtypes.FLOAT_STORAGE, f"raw codec dtype {dtype!r} is unknown")
 
     def side_parts(self, params, shape):
         return {"values": SidePart(tuple(shape), dtypes.FLOAT_STORAGE[params["dtype"]])}

@@ -44,6 +44,8 @@ class TensorEntry:
             raise FormatError(f"tensor '{name}': shape {list(shape)} is not a list of sizes")
         if not isinstance(entry.params, dict) or not isinstance(entry.parts, dict):
             raise FormatError(f"tensor '{name}': params and parts must be objects")
+        if not all(isinstance(v, str) for v in (entry.codec, entry.layout, entry.role, *entry.parts.values())):
+            raise FormatError(f"tensor '{name}': codec, layout, role and part names must be strings")
         if entry.role not in ROLES:
             raise FormatError(f"tensor '{name}': unknown role '{entry.role}'")
         return entry
