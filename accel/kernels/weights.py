@@ -79,6 +79,9 @@ class KernelWeight:
         return out
 
 
+_BASE3_WEIGHTS = np.array([1, 3, 9, 27, 81], dtype=np.uint8)  # digit j of a base-3 tile byte weighs 3^j
+
+
 class AffineWeight(KernelWeight):
     """`affine` codes in the `packed` (bit stream) or `base` (base-L groups) layout, scales (and offsets) per group."""
 
@@ -136,8 +139,7 @@ class AffineWeight(KernelWeight):
         nb = -(-cols // 5)
         digits = np.zeros((rows, nb * 5), dtype=np.uint8)
         digits[:, :cols] = bitpack.unpack_base_levels(self.codes, 3, rows * cols).reshape(rows, cols)
-        weights = np.array([1, 3, 9, 27, 81], dtype=np.uint8)
-        return (digits.reshape(rows, nb, 5) * weights).sum(axis=2, dtype=np.uint8)
+        return (digits.reshape(rows, nb, 5) * _BASE3_WEIGHTS).sum(axis=2, dtype=np.uint8)
 
     def _make_tiles(self) -> None:
         """The 16-row tile copy [tile][step][row][4 bytes] the integer kernels read; it replaces the code stream."""
@@ -172,7 +174,7 @@ class AffineWeight(KernelWeight):
             codes = np.ascontiguousarray(by_row[:, : cols * self.bits // 8]).reshape(-1)
         else:  # base3: each row's bytes hold its codes 5 a byte from the row's first code; the format's stream runs on
             nb = -(-cols // 5)
-            digits = (by_row[:, :nb, None] // np.array([1, 3, 9, 27, 81], dtype=np.uint8)) % 3
+            digits = (by_row[:, :nb, None] // _BASE3_WEIGHTS) % 3
             codes = bitpack.pack_base_levels(digits.reshape(rows, nb * 5)[:, :cols].reshape(-1), 3)
 
         def by_rows(side: np.ndarray) -> np.ndarray:
