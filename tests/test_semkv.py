@@ -149,6 +149,32 @@ def test_semkv_needs_a_kv_calibration_of_this_model(tiny_llama, tmp_path, kv_cal
         quantize_model(tiny_llama, tmp_path / "x", QuantizeSettings(kv="semkv", calib=str(other)))
 
 
+@pytest.mark.parametrize("damage", [
+    lambda r: r.update(model_shape=3.5),
+    lambda r: r.update(runtime_indicator=["key_norm"]),
+    lambda r: r.pop("runtime_indicator"),
+    lambda r: r.update(recommendations={"a": 1}),
+    lambda r: r.update(recommendations={"turbo": {"levels": [1, 4], "frac": 0.5, "base": "turbo",
+                                                  "bits_per_value": 2.0}}),
+    lambda r: r.update(recommendations={"affine": {"levels": "tt", "frac": 0.5, "base": "affine",
+                                                   "bits_per_value": 2.0}}),
+    lambda r: r["options"].update(affine=["pre_rope"]),
+    lambda r: r.update(smoothed=[]),
+])
+def test_a_damaged_kv_report_is_refused_in_one_line(kv_calib, tiny_llama, tmp_path, damage):
+    """Found by fuzzing the report: each of these was a KeyError, TypeError, IndexError or ValueError traceback."""
+    import shutil
+
+    damaged = tmp_path / "c"
+    shutil.copytree(kv_calib[0], damaged)
+    report = json.loads((damaged / "kv" / "report.json").read_text())
+    damage(report)
+    (damaged / "kv" / "report.json").write_text(json.dumps(report))
+    for spec in ("semkv", "semkv:turbo:4/6@0.5"):
+        with pytest.raises(AccelError, match="is damaged"):
+            quantize_model(tiny_llama, tmp_path / "x", QuantizeSettings(kv=spec, calib=str(damaged)))
+
+
 CONFIG = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 40}
 
 

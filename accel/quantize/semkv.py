@@ -349,6 +349,43 @@ def quantile_threshold(table: np.ndarray, frac: float) -> np.ndarray:
     return (table[:, i] * (1 - w) + table[:, min(i + 1, q)] * w).astype(np.float32)
 
 
+def _kv_report_problem(report: Any) -> str | None:
+    """What makes a KV calibration report unusable (None: the fields KVCalibration reads are well formed)."""
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def is_num(v: Any) -> bool:
+        return (is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+    if not isinstance(report, dict):
+        return "not a JSON object"
+    shape = report.get("model_shape")
+    if not (isinstance(shape, list) and len(shape) == 3 and all(is_int(v) and v > 0 for v in shape)):
+        return "model_shape is not three sizes"
+    if report.get("runtime_indicator") not in RUNTIME_INDICATORS:
+        return f"runtime_indicator is not one of {', '.join(RUNTIME_INDICATORS)}"
+    recs, options = report.get("recommendations", {}), report.get("options")
+    if not isinstance(recs, dict) or not isinstance(options, dict) or set(recs) - {"affine", "turbo"}:
+        return "recommendations or options is not an object of the two bases"
+    for base in ("affine", "turbo"):
+        opts = options.get(base)
+        if not isinstance(opts, dict) or not all(isinstance(k, str) and is_int(v) for k, v in opts.items()):
+            return f"options.{base} is not an object of integers"
+        for key in ("centered", "smoothed"):
+            if not isinstance(report.get(key, {}), dict):
+                return f"{key} is not an object"
+        rec = recs.get(base)
+        if rec is None:
+            continue
+        levels = rec.get("levels") if isinstance(rec, dict) else None
+        if not (isinstance(levels, list) and len(levels) == 2 and all(is_int(v) and 2 <= v <= 256 for v in levels)
+                and levels[0] <= levels[1]):
+            return f"recommendations.{base}.levels is not two level counts (2..256, low first)"
+        if not (is_num(rec.get("frac")) and is_num(rec.get("bits_per_value")) and rec.get("base") in BASES):
+            return f"recommendations.{base} lacks frac, bits_per_value or base"
+    return None
+
+
 def load_kv_calibration(calib: Path, config: dict[str, Any]) -> KVCalibration:
     from accel.formats.artifact import Artifact
 
@@ -360,8 +397,11 @@ def load_kv_calibration(calib: Path, config: dict[str, Any]) -> KVCalibration:
         report = json.loads(report_path.read_text())
     except ValueError:
         raise AccelError(f"--calib {calib}: {report_path.name} is not JSON") from None
+    problem = _kv_report_problem(report)
+    if problem:
+        raise AccelError(f"--calib {calib}: kv/{report_path.name} is damaged ({problem}); calibrate again")
     shape = model_kv_shape(config)
-    if tuple(report.get("model_shape", ())) != shape:
+    if tuple(report["model_shape"]) != shape:
         raise AccelError(f"--calib {calib}: the KV calibration is for {report.get('model_shape')} (layers, KV heads, "
                          f"head dim), the model has {list(shape)}: calibrated on a different model")
     try:
