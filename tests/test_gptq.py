@@ -179,3 +179,31 @@ def test_hqq_rows_that_are_not_whole_groups(rng, cols):
             assert off.mean() < 0.02
             mine, hqq = np.abs(ours[:, c0:c1] - w[:, c0:c1]).mean(), np.abs(theirs - w[:, c0:c1]).mean()
             assert mine < 1.01 * hqq
+
+
+@pytest.mark.parametrize("table", ["a string", {"model.layers.0.mlp.down_proj.weight": ""},
+                                   {"model.layers.0.mlp.down_proj.weight": {"x": 1}}])
+def test_a_damaged_hessian_table_is_refused_in_one_line(tiny_llama, text_file, tmp_path, table):
+    """Found by fuzzing the Hessian directory's document: AttributeError, KeyError, TypeError tracebacks."""
+    import json
+    import struct
+
+    from accel.calibrate.hessians import HESSIAN_DIR, HessianStore
+    from accel.cli.main import main
+    from accel.errors import AccelError
+
+    calib = tmp_path / "c"
+    assert main(["calibrate", str(tiny_llama), "--for", "weights", "--data", str(text_file), "--out", str(calib),
+                 "--samples", "2", "--seq-len", "32"]) == 0
+    path = calib / HESSIAN_DIR / "model.safetensors"
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    doc = json.loads(header["__metadata__"]["accel"])
+    doc["hessians"] = table
+    header["__metadata__"]["accel"] = json.dumps(doc)
+    head = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(head)) + head + raw[8 + n:])
+    with pytest.raises(AccelError, match="is damaged"):
+        HessianStore(calib)
+

@@ -86,6 +86,10 @@ class HessianStore:
             raise AccelError(f"--calib {calib_dir}: no Hessians (run `accel calibrate --for weights` first)")
         self.artifact = Artifact(path)
         self.key_of: dict[str, str] = self.artifact.extra.get("hessians", {})
+        if not isinstance(self.key_of, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) and v in self.artifact.names for k, v in self.key_of.items()):
+            raise AccelError(f"--calib {calib_dir}: {HESSIAN_DIR}/ is damaged (its weight -> Hessian table does not "
+                             f"name stored matrices); calibrate again")
         self._last: tuple[str, np.ndarray] | None = None  # q/k/v and gate/up ask for the same matrix in a row
 
     def windows(self) -> np.ndarray:
