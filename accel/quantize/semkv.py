@@ -367,20 +367,24 @@ def _kv_report_problem(report: Any) -> str | None:
     recs, options = report.get("recommendations", {}), report.get("options")
     if not isinstance(recs, dict) or not isinstance(options, dict) or set(recs) - {"affine", "turbo"}:
         return "recommendations or options is not an object of the two bases"
+    for key in ("centered", "smoothed"):
+        if not isinstance(report.get(key, {}), dict):
+            return f"{key} is not an object"
     for base in ("affine", "turbo"):
         opts = options.get(base)
         if not isinstance(opts, dict) or not all(isinstance(k, str) and is_int(v) for k, v in opts.items()):
             return f"options.{base} is not an object of integers"
-        for key in ("centered", "smoothed"):
-            if not isinstance(report.get(key, {}), dict):
-                return f"{key} is not an object"
         rec = recs.get(base)
         if rec is None:
             continue
-        levels = rec.get("levels") if isinstance(rec, dict) else None
-        if not (isinstance(levels, list) and len(levels) == 2 and all(is_int(v) and 2 <= v <= 256 for v in levels)
-                and levels[0] <= levels[1]):
-            return f"recommendations.{base}.levels is not two level counts (2..256, low first)"
+        if not isinstance(rec, dict):
+            return f"recommendations.{base} is not an object"
+        try:  # the maps' own rule for level counts
+            lo, hi = _check_levels(rec.get("levels"))
+        except AccelError as exc:
+            return f"recommendations.{base}: {exc}"
+        if lo > hi:
+            return f"recommendations.{base}.levels are not low first"
         if not (is_num(rec.get("frac")) and is_num(rec.get("bits_per_value")) and rec.get("base") in BASES):
             return f"recommendations.{base} lacks frac, bits_per_value or base"
     return None
