@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import typer
@@ -42,6 +43,6 @@ def register(app: typer.Typer) -> None:
                          f"(fp16: {result['kv_fp16_bytes_per_token']}, {result['kv_reduction']:.2f}x smaller)")
         if "ref_ppl" in result:
             lo, hi = result["delta_nll_ci"]
-            ci = "(one window: no interval)" if lo is None else f"[{lo:+.5f}, {hi:+.5f}] (95% bootstrap)"
+            ci = "(one window: no interval)" if math.isnan(lo) else f"[{lo:+.5f}, {hi:+.5f}] (95% bootstrap)"
             stdout.print(f"reference ppl {result['ref_ppl']:.4f}  ΔNLL {result['delta_nll']:+.5f} {ci}  "
                          f"ppl ratio {result['ppl_ratio']:.4f}")
