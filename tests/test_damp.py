@@ -138,15 +138,16 @@ def test_water_map_budget_is_exact_in_measured_bytes(d_v):
 
 
 def test_water_map_check_refuses_bad_widths():
-    shape = StateShape("gdn", (0, 1, 2), 4, 32, 32)
     config = _GDN_CONFIG
+    shape = state_shape(config)
+    assert (len(shape.layers), shape.heads, shape.d_k) == (3, 4, 64)
     stored = damp_map(_stats(shape), shape, parse_damp_arg("6.5,alloc=water"))
     Damp().check(stored, config)
     bad = {"bits": stored.arrays["bits"].copy()}
     bad["bits"][0, 0, 0] = 17
     with pytest.raises(AccelError, match="each must be an INT-K width in 2..16"):
         Damp().check(StoredMap("state", "damp", stored.params, bad), config)
-    with pytest.raises(AccelError, match=r"channel widths are \(3, 4, 16\), the model needs \(3, 4, 32\)"):
+    with pytest.raises(AccelError, match=r"channel widths are \(3, 4, 16\), the model needs \(3, 4, 64\)"):
         Damp().check(StoredMap("state", "damp", stored.params, {"bits": stored.arrays["bits"][..., :16]}), config)
     params = {**stored.params, "bits_per_value": 7.0}
     with pytest.raises(AccelError, match="records 7.0 bits per value but its channel widths give 6.500000"):
@@ -176,7 +177,7 @@ def gdn_calib(tmp_path_factory, text_file):
 def test_calibrate_state_writes_table_plots_and_stability(capsys, tmp_path, text_file):
     rep = run_json(capsys, "calibrate", "tiny-kda", "--for", "state", "--data", text_file, "--out",
                    tmp_path / "c", "--samples", "4", "--seq-len", "64")["state"]
-    assert rep["arch"] == "kda" and (rep["layers"], rep["heads"], rep["d_k"]) == ([0, 1, 2], 4, 32)
+    assert rep["arch"] == "kda" and (rep["layers"], rep["heads"], rep["d_k"]) == ([0, 1, 2], 4, 64)
     assert rep["snapshots"] == 4 * 2 and 0 < rep["top10_energy_share"] <= 1
     for key in ("energy_rank_corr", "persistence_rank_corr", "score_rank_corr"):
         assert -1 <= rep[key] <= 1
@@ -208,7 +209,7 @@ def _assert_refused_with_other_heads(capsys, out, text_file):
     cfg["linear_num_value_heads"] = 8
     (out / "config.json").write_text(json.dumps(cfg))
     code, _, err = run(capsys, "eval", out, "--data", text_file, "--windows", "1", "--seq-len", "16")
-    assert_one_line_error(code, err, 2, "the state map is for 3 linear-attention layers x 4 heads x 32 channels")
+    assert_one_line_error(code, err, 2, "the state map is for 3 linear-attention layers x 4 heads x 64 channels")
 
 
 def test_mismatched_map_and_calibration_are_refused(capsys, gdn_calib, tmp_path, text_file):
@@ -245,4 +246,4 @@ def test_water_map_round_trip_and_refusals(capsys, gdn_calib, tmp_path, text_fil
     _assert_refused_with_other_heads(capsys, out, text_file)
     code, _, err = run(capsys, "quantize", "tiny-gdn", "--state", "damp:2,alloc=water", "--calib", gdn_calib,
                        "--out", tmp_path / "low")
-    assert_one_line_error(code, err, 2, "is below int2 alone (2.5 bits per value")
+    assert_one_line_error(code, err, 2, "is below int2 alone (2.25 bits per value")

