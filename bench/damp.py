@@ -11,11 +11,12 @@ the fp32 arm with a bootstrap 95% interval over windows, and the mean per-token 
 distribution from the fp32 arm's (far more sensitive than ΔNLL: it is never negative and needs no luck in the
 sampled text). The matched table compares DAMP with the uniform arm of equal bits per value (and with the same
 formats on random channels), paired per window. Arms: fp32, bf16, fp16, uniform INT8 / FP8 / INT4 (one
-float16 scale per channel), and, at matched budgets, uniform INT-K (K = 5, 6, 9, 10); DAMP at 9.9 bits and lower
-budgets; DAMP's ranking ablations at 9.9 (energy alone, persistence alone, random channels with the same formats);
-DAMP with water-filled INT-K widths per channel (`alloc=water`, weighted by the measured gradient sensitivity) at
-exactly uniform INT-K's bits (10.5, 9.5, 6.5, 5.5) and at 9.9, with its weighting ablations (energy x persistence,
-energy alone, random weights). `--arms` runs a subset (fp32 always first), `--stats` keeps the calibration.
+float16 scale per channel), and, at matched budgets, uniform INT-K (K = 5, 6, 9, 10); DAMP's two-tier map at 9.9
+bits and at INT9 / 6 / 5's exact bits; its ranking ablations at 9.9 (energy alone, persistence alone, random
+channels with the same formats); DAMP with water-filled INT-K widths per channel (`alloc=water`, weighted by the
+measured gradient sensitivity) at exactly uniform INT-K's bits (K + 16/d_v: 10.25, 9.25, 8.25, 6.25, 5.25, 4.25 at
+the fixtures' d_v = 64) and at 9.9, with its weighting ablations (energy x persistence, energy alone, random
+weights). `--arms` runs a subset (fp32 always first), `--stats` keeps the calibration.
 "No detectable loss" means the ΔNLL interval lies inside ±MARGIN nats/token, a margin fixed before the final runs;
 `detectable` says whether the interval excludes zero.
 Also reported: the share of INT8 error energy in the top 10% of channels, and the split-half rank correlations.
@@ -53,14 +54,45 @@ from accel.runtime.state_shapes import state_shape
 MARGIN = 0.001  # nats/token: the "no detectable loss" margin, fixed before the final runs (docs/damp.md)
 
 UNIFORM = ["fp32", "bf16", "fp16", "int8", "fp8", "int4", "int:5", "int:6", "int:9", "int:10"]
-DAMP = ["damp:9.9", "damp:9.5", "damp:9.0", "damp:6.5", "damp:5.5",
-        "damp:9.9,rank=energy", "damp:9.9,rank=persistence", "damp:9.9,rank=random",
-        "damp:6.5,rank=random",
-        # water-filled INT-K widths per channel (rank=sensitivity by default), at exactly uniform INT-K's budgets
-        "damp:10.5,alloc=water", "damp:9.9,alloc=water", "damp:9.5,alloc=water", "damp:6.5,alloc=water",
-        "damp:5.5,alloc=water",
-        "damp:9.5,alloc=water,rank=both", "damp:9.5,alloc=water,rank=energy", "damp:6.5,alloc=water,rank=both",
-        "damp:6.5,alloc=water,rank=random"]
+
+
+def _bits(value: float) -> str:
+    return f"{value:g}"
+
+
+def matched_budget(k: int, d_v: int) -> str:
+    """Uniform INT-K's bits per value: K-bit codes plus one float16 scale per channel row of d_v values."""
+    return _bits(k + 16 / d_v)
+
+
+def damp_arms(d_v: int) -> list[str]:
+    """DAMP arms for a fixture whose state rows hold d_v values: the two-tier map at 9.9 bits and at uniform
+    INT9 / 6 / 5's exact budgets, its ranking ablations, and water-filled INT-K widths at every uniform INT-K
+    budget (K = 10, 9, 8, 6, 5, 4) and at 9.9, with their weighting ablations."""
+    b = {k: matched_budget(k, d_v) for k in (4, 5, 6, 8, 9, 10)}
+    return (["damp:9.9", f"damp:{b[9]}", f"damp:{b[6]}", f"damp:{b[5]}",
+             "damp:9.9,rank=energy", "damp:9.9,rank=persistence", "damp:9.9,rank=random",
+             f"damp:{b[6]},rank=random"]
+            + [f"damp:{b[k]},alloc=water" for k in (10, 9, 8, 6, 5, 4)] + ["damp:9.9,alloc=water"]
+            + [f"damp:{b[9]},alloc=water,rank=both", f"damp:{b[9]},alloc=water,rank=energy",
+               f"damp:{b[6]},alloc=water,rank=both", f"damp:{b[6]},alloc=water,rank=random"])
+
+
+def matched_pairs(d_v: int) -> list[tuple[str, str]]:
+    """DAMP against the uniform arm at the same bits per value (and 9.9 against its two uniform neighbours)."""
+    b = {k: matched_budget(k, d_v) for k in (4, 5, 6, 8, 9, 10)}
+    uniform = {10: "int:10", 9: "int:9", 8: "int8", 6: "int:6", 5: "int:5", 4: "int4"}
+    water = [(f"damp:{b[k]},alloc=water", uniform[k]) for k in (10, 9, 8, 6, 5, 4)]
+    return water + [
+        ("damp:9.9,alloc=water", "int:9"), ("damp:9.9,alloc=water", "int:10"),
+        ("damp:9.9,alloc=water", "damp:9.9")] + [
+        (f"damp:{b[k]},alloc=water", f"damp:{b[k]}") for k in (9, 6, 5)] + [
+        (f"damp:{b[9]},alloc=water,rank=both", "int:9"), (f"damp:{b[9]},alloc=water,rank=energy", "int:9"),
+        (f"damp:{b[6]},alloc=water,rank=both", "int:6"), (f"damp:{b[6]},alloc=water,rank=random", "int:6"),
+        (f"damp:{b[9]}", "int:9"), (f"damp:{b[6]}", "int:6"), (f"damp:{b[5]}", "int:5"), ("damp:9.9", "int:9"),
+        ("damp:9.9", "int:10"), ("damp:9.9", "damp:9.9,rank=random"), (f"damp:{b[6]}", f"damp:{b[6]},rank=random")]
+
+
 QUICK_UNIFORM = ["fp32", "bf16", "int8", "fp8", "int4"]
 QUICK_DAMP = ["damp:9.9", "damp:9.0", "damp:6.5"]
 
@@ -108,19 +140,6 @@ def mean_kl(ref_steps: list, steps: list, windows: int) -> np.ndarray:
     return per_token.reshape(windows, -1).mean(axis=1)
 
 
-# DAMP against the uniform arm at the same bits per value (and 9.9 against its two uniform neighbours)
-MATCHED = [("damp:10.5,alloc=water", "int:10"), ("damp:9.5,alloc=water", "int:9"),
-           ("damp:8.5,alloc=water", "int8"), ("damp:4.5,alloc=water", "int4"),
-           ("damp:6.5,alloc=water", "int:6"), ("damp:5.5,alloc=water", "int:5"),
-           ("damp:9.9,alloc=water", "int:9"), ("damp:9.9,alloc=water", "int:10"),
-           ("damp:9.9,alloc=water", "damp:9.9"), ("damp:9.5,alloc=water", "damp:9.5"),
-           ("damp:6.5,alloc=water", "damp:6.5"), ("damp:5.5,alloc=water", "damp:5.5"),
-           ("damp:9.5,alloc=water,rank=both", "int:9"), ("damp:9.5,alloc=water,rank=energy", "int:9"),
-           ("damp:6.5,alloc=water,rank=both", "int:6"), ("damp:6.5,alloc=water,rank=random", "int:6"),
-           ("damp:9.5", "int:9"), ("damp:6.5", "int:6"), ("damp:5.5", "int:5"), ("damp:9.9", "int:9"),
-           ("damp:9.9", "int:10"), ("damp:9.9", "damp:9.9,rank=random"), ("damp:6.5", "damp:6.5,rank=random")]
-
-
 def run_fixture(name: str, args) -> dict:
     torch.manual_seed(0)
     loaded = load_causal_lm(name)
@@ -132,7 +151,8 @@ def run_fixture(name: str, args) -> dict:
         calib_report = write_state_stats(Path(tmp), stats)
     calib_seconds = time.perf_counter() - started
     windows = token_windows(loaded.tokenizer, heldout_text(), args.seq_len, args.windows)
-    arms = (QUICK_UNIFORM + QUICK_DAMP) if args.quick else (UNIFORM + DAMP)
+    d_v = stats["shape"].d_v
+    arms = (QUICK_UNIFORM + QUICK_DAMP) if args.quick else (UNIFORM + damp_arms(d_v))
     if args.arms:
         arms = ["fp32"] + [a.strip() for a in args.arms.split(";") if a.strip() and a.strip() != "fp32"]
     rows, ref, ref_steps, per_window = [], None, None, {}
@@ -170,7 +190,7 @@ def run_fixture(name: str, args) -> dict:
                   f"ppl {arm.ppl:.4f}  ΔNLL {delta.mean:+.5f} [{delta.low:+.5f}, {delta.high:+.5f}]  "
                   f"KL {kl_ci.mean:.2e} ({seconds:.0f} s)", file=sys.stderr, flush=True)
     matched = []
-    for a, b in MATCHED:
+    for a, b in matched_pairs(d_v):
         if a in per_window and b in per_window:
             dn = paired_bootstrap(per_window[a][0], per_window[b][0], seed=0)
             dk = paired_bootstrap(per_window[a][1], per_window[b][1], seed=0)

@@ -5,14 +5,15 @@
 Arms per shape: `torch_f32` (transformers' recurrent update in PyTorch ops, float32 state), `c_f32` (the same
 loop as the DAMP kernel on a float32 state), `c_damp` (accel.kernels.state_update.step_mixed on DAMP storage: 22.5%
 of channels float16 at d_v 128 so the state holds 9.9 bits per value with scales, the rest INT8; at the fixtures'
-d_v 32, 18.7%), and `copy` (numpy copy of the float32 state's bytes, then of the DAMP bytes: the bandwidth floor).
+d_v 64, 21.3%), and `copy` (numpy copy of the float32 state's bytes, then of the DAMP bytes: the bandwidth floor).
 One step updates every linear-attention layer once (each has its own state, as in decoding), so for many layers
 the states do not stay in the core's caches between their updates (this machine reports a 480 MB L3, so only
-batch 16, 1.2 GB of float32 state, is certain to stream from DRAM). Shapes: the fixtures (3 layers of 4 heads ×
-32×32), Qwen3-Next's per-layer state (32 heads of 128×128) for one layer, and for 36 layers (Qwen3-Next-80B's
-linear layers) at batch 1, 4 and 16. Times are medians over repeats, the arms timed round-robin so that load from other
-processes hits them alike; the GDN decay (one per head) is used, and KDA's per-channel decay is timed at the
-Qwen3-Next shape too. The last line is one JSON object.
+batch 16, 1.2 GB of float32 state, is certain to stream from DRAM). Shapes: the committed fixtures (from their
+configs: 3 layers of 4 heads × 64×64; tiny-kda's row with KDA's per-channel decay), Qwen3-Next's per-layer state
+(32 heads of 128×128) for one layer, and for 36 layers (Qwen3-Next-80B's linear layers) at batch 1, 4 and 16.
+Times are medians over repeats, the arms timed round-robin so that load from other processes hits them alike;
+the GDN decay (one per head) is used, and KDA's per-channel decay is timed at the Qwen3-Next shape too.
+The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -40,6 +41,16 @@ TARGET_BITS = 9.9
 def high_fraction(d_v: int) -> float:
     lo, hi = row_bits("int8", d_v), row_bits("fp16", d_v)
     return (TARGET_BITS - lo) / (hi - lo)
+
+
+def fixture_shape(name: str) -> tuple:
+    """A committed fixture's state, from its config: (label, layers, batch, heads, d_k, d_v, KDA decay)."""
+    from accel.converters.aliases import FIXTURES_DIR
+    from accel.runtime.state_shapes import state_shape
+
+    shape = state_shape(json.loads((FIXTURES_DIR / name / "config.json").read_text()))
+    return (f"{name}, {len(shape.layers)} layers", len(shape.layers), 1, shape.heads, shape.d_k, shape.d_v,
+            shape.arch == "kda")
 
 
 def inputs(rng, b, h, dk, dv, kda):
@@ -119,8 +130,8 @@ def main() -> None:
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     repeats, min_s = (5, 0.2) if args.quick else (9, 1.0)
-    shapes = [("fixture (tiny-gdn/kda)", 3, 1, 4, 32, 32, False),
-              ("qwen3-next, 1 layer", 1, 1, 32, 128, 128, False),
+    shapes = [fixture_shape(name) for name in ("tiny-gdn", "tiny-kda")]
+    shapes += [("qwen3-next, 1 layer", 1, 1, 32, 128, 128, False),
               ("qwen3-next, 1 layer, KDA decay", 1, 1, 32, 128, 128, True),
               ("qwen3-next, 36 layers", 36, 1, 32, 128, 128, False)]
     if not args.quick:
