@@ -56,13 +56,9 @@ MARGIN = 0.001  # nats/token: the "no detectable loss" margin, fixed before the 
 UNIFORM = ["fp32", "bf16", "fp16", "int8", "fp8", "int4", "int:5", "int:6", "int:9", "int:10"]
 
 
-def _bits(value: float) -> str:
-    return f"{value:g}"
-
-
 def matched_budget(k: int, d_v: int) -> str:
     """Uniform INT-K's bits per value: K-bit codes plus one float16 scale per channel row of d_v values."""
-    return _bits(k + 16 / d_v)
+    return f"{k + 16 / d_v:g}"
 
 
 def damp_arms(d_v: int) -> list[str]:

@@ -1,4 +1,4 @@
-"""Train the two trained hybrid fixtures, `tiny-gdn` and `tiny-kda`, on real text; seeded and single-threaded.
+"""Train the two trained hybrid fixtures, `tiny-gdn` and `tiny-kda`, on real text; seeded.
 
     .venv/bin/python scripts/train_fixtures.py [--only gdn|kda] [--steps N] [--threads T] [--probe] [--measure]
 
