@@ -32,8 +32,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from accel.converters.aliases import FIXTURES_DIR
 from accel.kernels.state_update import MixedState, step_f32, step_mixed, step_torch
 from accel.runtime.state_cache import row_bits
+from accel.runtime.state_shapes import state_shape
 
 TARGET_BITS = 9.9
 
@@ -45,9 +47,6 @@ def high_fraction(d_v: int) -> float:
 
 def fixture_shape(name: str) -> tuple:
     """A committed fixture's state, from its config: (label, layers, batch, heads, d_k, d_v, KDA decay)."""
-    from accel.converters.aliases import FIXTURES_DIR
-    from accel.runtime.state_shapes import state_shape
-
     shape = state_shape(json.loads((FIXTURES_DIR / name / "config.json").read_text()))
     return (f"{name}, {len(shape.layers)} layers", len(shape.layers), 1, shape.heads, shape.d_k, shape.d_v,
             shape.arch == "kda")
