@@ -24,7 +24,9 @@ def _step_inputs(rng, b, h, dk, dv, kda):
 
 
 @pytest.mark.parametrize("kda", [False, True])
-@pytest.mark.parametrize("dims", [(2, 4, 32, 32), (1, 3, 16, 20)])
+# d_v 32 / 64 / 80 / 128 take the register-resident head (d_v = 16 x 1..8 on AVX-512; 64 and 128 encode four
+# vectors of codes at a time, 80 four and one), d_v 20 the generic row loops
+@pytest.mark.parametrize("dims", [(2, 4, 32, 32), (1, 3, 16, 20), (2, 2, 16, 64), (1, 2, 24, 80), (1, 2, 32, 128)])
 def test_mixed_step_matches_float64_reference(kda, dims):
     b, h, dk, dv = dims
     rng = np.random.default_rng(7)
@@ -46,6 +48,35 @@ def test_mixed_step_matches_float64_reference(kda, dims):
         # and it is bit-for-bit what the runtime's encoder makes of the same float32 rows (rare tie flips aside)
         again = su.MixedState.from_float(s_ref.astype(np.float32), high)
         assert (again.lo == state.lo).mean() > 0.999 and (again.lo_scale == state.lo_scale).mean() > 0.99
+
+
+@pytest.mark.parametrize("kda", [False, True])
+@pytest.mark.parametrize("dv", [64, 128])
+def test_register_path_is_bit_identical_to_the_generic_path(kda, dv):
+    """d_v 64 / 128 take the register-resident head; the same state padded with 8 zero columns (d_v 72 / 136) takes
+    the generic row loops. Zero columns change no row maximum and add only zeros, so the first d_v columns of every
+    output, code and scale must agree bit for bit, in both kernels, over several steps."""
+    rng = np.random.default_rng(11)
+    b, h, dk = 2, 3, 32
+    high = (rng.random((h, dk)) < 0.25).astype(np.uint8)
+    start = (rng.normal(size=(b, h, dk, dv)) * 0.3).astype(np.float32)
+    padded = np.concatenate([start, np.zeros((b, h, dk, 8), np.float32)], axis=-1)
+    fast, generic = su.MixedState.from_float(start, high), su.MixedState.from_float(padded, high)
+    f32_fast, f32_generic = start.copy(), padded.copy()
+    for _ in range(3):
+        q, k, v, g, beta = (np.asarray(x, dtype=np.float32) for x in _step_inputs(rng, b, h, dk, dv, kda))
+        v_pad = np.concatenate([v, np.zeros((b, h, 8), np.float32)], axis=-1)
+        o_fast = su.step_mixed(fast, q, k, v, g, beta, threads=1)
+        o_generic = su.step_mixed(generic, q, k, v_pad, g, beta, threads=1)
+        np.testing.assert_array_equal(o_fast, o_generic[..., :dv])
+        np.testing.assert_array_equal(fast.hi, generic.hi[..., :dv])
+        np.testing.assert_array_equal(fast.lo, generic.lo[..., :dv])
+        np.testing.assert_array_equal(fast.lo_scale, generic.lo_scale)
+        assert not generic.lo[..., dv:].any() and not generic.hi[..., dv:].any()
+        o_fast = su.step_f32(f32_fast, q, k, v, g, beta, threads=1)
+        o_generic = su.step_f32(f32_generic, q, k, v_pad, g, beta, threads=1)
+        np.testing.assert_array_equal(o_fast, o_generic[..., :dv])
+        np.testing.assert_array_equal(f32_fast, f32_generic[..., :dv])
 
 
 @pytest.mark.parametrize("kda", [False, True])

@@ -13,8 +13,14 @@
 // -(index into lo) - 1. Each head takes two passes over its stored rows: the first accumulates S^T k of the decayed
 // state straight from the codes (read only), the second decodes each row again, decays and updates it, adds it to
 // o, and encodes it back in place (an int8 row through a dv-float buffer, for its new scale). No float32 copy of
-// the state, or of a head, is ever made. (b, h) pairs run in parallel with OpenMP. The float32 kernel takes the
-// same two passes (read; read-modify-write).
+// the state is ever made. (b, h) pairs run in parallel with OpenMP. The float32 kernel takes the same two passes
+// (read; read-modify-write).
+//
+// With AVX-512 and d_v = 16..128 in steps of 16 (Qwen3-Next's 128, the fixtures' 64) both kernels take a
+// register-resident path (head_f32_nv, head_mixed_nv): S^T k, delta and the output live in vector registers, and
+// the DAMP kernel encodes int8 rows 16 at a time (their scales computed in one vector). Same arithmetic in the same
+// order, so the same bits as the generic loops (tests/test_state_update.py checks it against a zero-padded d_v
+// that takes them).
 //
 // Both kernels use the same vector helpers (AVX-512 when the compiler targets it, else AVX2 + F16C + FMA, else
 // scalar), so the float32 baseline is as vectorised as the DAMP kernel; vector paths use fused multiply-adds.
@@ -231,15 +237,199 @@ static inline void delta_rule(float *restrict mem, const float *restrict v, floa
     }
 }
 
+#if W == 16
+// --- register-resident heads: d_v = 16 * NV with NV <= 8 (d_v 16 ... 128). S^T k, delta and the output stay in
+// vector registers (NV each), so a row costs its loads, its arithmetic and its store, and no accumulator traffic
+// through memory. The arithmetic is the generic path's, operation for operation (same fused multiply-adds in the
+// same order, same rounding), so both give the same bits; NV is a constant in each instantiation (the switch
+// below), so the compiler unrolls the vector loops and keeps the arrays in registers.
+//
+// Pass 1 asks for the bytes AHEAD of each row it reads (into L2), in every stream it reads (float32 rows; float16
+// and int8 rows): the rows of a head sit one after another, and the next head's follow. Measured at 36 layers x
+// batch 4 of Qwen3-Next: DAMP 18.9 -> 16.8 ms, float32 unchanged (it streams at the copy bandwidth already).
+#define AHEAD 4096
+
+// codes of 64 values (four vectors) at once: round-half-even to int32, then two saturating packs to int8 (they
+// interleave 128-bit lanes; one permutation puts the dwords back in order) and the lower clamp to -127 on the bytes.
+// The same codes as store_i8 with the float clamp, four vectors at a time: 4 shuffles instead of 8, one clamp
+// instead of 4.
+static inline void store_i8_x4(int8_t *p, vf x0, vf x1, vf x2, vf x3, vf inv) {
+    const __m512i a = _mm512_cvtps_epi32(VMUL(x0, inv)), b = _mm512_cvtps_epi32(VMUL(x1, inv));
+    const __m512i c = _mm512_cvtps_epi32(VMUL(x2, inv)), d = _mm512_cvtps_epi32(VMUL(x3, inv));
+    const __m512i bytes = _mm512_packs_epi16(_mm512_packs_epi32(a, b), _mm512_packs_epi32(c, d));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_storeu_si512(p, _mm512_max_epi8(_mm512_permutexvar_epi32(order, bytes), _mm512_set1_epi8(-127)));
+}
+
+// an int8 row's codes from its updated values x (d_v = NV * W floats) and 1 / its float16 scale
+static inline __attribute__((always_inline)) void encode_lo_nv(const int NV, int8_t *restrict codes,
+                                                                 const float *restrict x, vf inv) {
+    int v = 0;
+    for (; v + 4 <= NV; v += 4)
+        store_i8_x4(codes + v * W, VLOAD(x + v * W), VLOAD(x + (v + 1) * W), VLOAD(x + (v + 2) * W),
+                    VLOAD(x + (v + 3) * W), inv);
+    for (; v < NV; v++) store_i8(codes + v * W, VMAX(VSET(-127.0f), VMUL(VLOAD(x + v * W), inv)));
+}
+
+static inline __attribute__((always_inline)) void head_f32_nv(const int NV, float *restrict s,
+                                                                const float *restrict alpha,
+                                                                const float *restrict kk, const float *restrict qq,
+                                                                const float *restrict vv, float beta,
+                                                                float *restrict oo, int dk) {
+    vf acc[8], out[8];
+    for (int v = 0; v < NV; v++) acc[v] = VZERO();
+    for (int r = 0; r < dk; r++) {
+        const vf c = VSET(alpha[r] * kk[r]);
+        const float *row = s + (long)r * NV * W;
+        for (int l = 0; l < 4 * NV * W; l += 64) _mm_prefetch((const char *)row + AHEAD + l, _MM_HINT_T1);
+        for (int v = 0; v < NV; v++) acc[v] = VFMA(c, VLOAD(row + v * W), acc[v]);
+    }
+    const vf vb = VSET(beta);
+    for (int v = 0; v < NV; v++) {
+        acc[v] = VMUL(vb, _mm512_sub_ps(VLOAD(vv + v * W), acc[v]));  // delta
+        out[v] = VZERO();
+    }
+    for (int r = 0; r < dk; r++) {
+        const vf va = VSET(alpha[r]), vk = VSET(kk[r]), vq = VSET(qq[r]);
+        float *row = s + (long)r * NV * W;
+        for (int v = 0; v < NV; v++) {
+            const vf x = VFMA(vk, acc[v], VMUL(va, VLOAD(row + v * W)));
+            VSTORE(row + v * W, x);
+            out[v] = VFMA(vq, x, out[v]);
+        }
+    }
+    for (int v = 0; v < NV; v++) VSTORE(oo + v * W, out[v]);
+}
+
+// Rows whose codes wait for their new scales, encoded GROUP at a time: each int8 row's updated values (`x`, in
+// a GROUP-row ring) and the lane-wise max |x| of its vectors (`vmax`), where its codes and scale go.
+#define GROUP 16
+typedef struct {
+    float *x, *vmax;
+    int8_t *codes[GROUP];
+    uint16_t *scale[GROUP];
+    int n;
+} pending_rows;
+
+// The pending rows' scales and codes. One transposing reduction turns the GROUP vectors of lane maxima into one
+// vector of row maxima (lane i = row i), so the scales are computed 16 at a time: the same float32 division by
+// 127, the same 2^-24 floor, the same float16 rounding and the same 1 / scale as the scalar rule (IEEE division and
+// float16 conversion round alike in vector and scalar form), hence the same codes.
+static inline __attribute__((always_inline)) void encode_pending(const int NV, pending_rows *p) {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    vf m[GROUP];
+    for (int i = 0; i < GROUP; i++) m[i] = VLOAD(p->vmax + i * W);  // rows past n hold stale maxima, unused
+    for (int n = GROUP / 2; n >= 1; n /= 2)  // pairs of vectors to one: lanes (2l, 2l + 1) of each to lane l
+        for (int i = 0; i < n; i++)
+            m[i] = VMAX(_mm512_permutex2var_ps(m[2 * i], even, m[2 * i + 1]),
+                        _mm512_permutex2var_ps(m[2 * i], odd, m[2 * i + 1]));
+    const vf sc = VMAX(VSET(0x1p-24f), _mm512_div_ps(m[0], VSET(127.0f)));  // NaN stays NaN, as `sc < 2^-24`
+    const __m256i half = _mm512_cvtps_ph(sc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    uint16_t bits[GROUP];
+    float inv[GROUP];
+    _mm256_storeu_si256((__m256i *)bits, half);
+    VSTORE(inv, _mm512_div_ps(VSET(1.0f), _mm512_cvtph_ps(half)));
+    for (int i = 0; i < p->n; i++) {
+        *p->scale[i] = bits[i];
+        encode_lo_nv(NV, p->codes[i], p->x + (long)i * NV * W, VSET(inv[i]));
+    }
+    p->n = 0;
+}
+
+// One head on DAMP storage, with S^T k, delta and the output in vector registers. Each pass decodes the stored
+// rows itself: keeping pass 1's decoded rows for pass 2 (64 KB a head at 128 x 128) was measured slower, since the
+// buffer spills the L1 cache. `scratch` holds the pending rows' values (GROUP * dv floats) and maxima (GROUP * W).
+static inline __attribute__((always_inline)) void head_mixed_nv(
+    const int NV, long b, const int32_t *restrict slot, int n_hi, int n_lo, uint16_t *restrict hi,
+    int8_t *restrict lo, uint16_t *restrict lo_scale, const float *restrict alpha, const float *restrict kk,
+    const float *restrict qq, const float *restrict vv, float beta, float *restrict oo, float *restrict scratch,
+    int dk) {
+    const int dv = NV * W;
+    vf acc[8], out[8];
+    for (int v = 0; v < NV; v++) acc[v] = VZERO();
+    for (int r = 0; r < dk; r++) {  // S^T k of the decayed state, read straight from the storage
+        const float ak = alpha[r] * kk[r];
+        const int32_t sl = slot[r];
+        if (sl >= 0) {
+            const uint16_t *row = hi + (b * n_hi + sl) * (long)dv;
+            const vf c = VSET(ak);
+            for (int l = 0; l < 2 * NV * W; l += 64) _mm_prefetch((const char *)row + AHEAD + l, _MM_HINT_T1);
+            for (int v = 0; v < NV; v++) acc[v] = VFMA(c, load_f16(row + v * W), acc[v]);
+        } else {
+            const long li = b * n_lo + (-sl - 1);
+            const int8_t *row = lo + li * (long)dv;
+            const vf c = VSET(ak * half_bits_to_float(lo_scale[li]));
+            for (int l = 0; l < NV * W; l += 64) _mm_prefetch((const char *)row + AHEAD + l, _MM_HINT_T1);
+            for (int v = 0; v < NV; v++) acc[v] = VFMA(c, load_i8(row + v * W), acc[v]);
+        }
+    }
+    const vf vb = VSET(beta);
+    for (int v = 0; v < NV; v++) {
+        acc[v] = VMUL(vb, _mm512_sub_ps(VLOAD(vv + v * W), acc[v]));  // delta
+        out[v] = VZERO();
+    }
+    // Decay + rank-1 update + output, row by row. An int8 row's codes wait for its new scale (max |x|, two
+    // divisions, a float16 rounding: a long dependency chain), so they are encoded GROUP rows at a time.
+    pending_rows p = {.x = scratch, .vmax = scratch + GROUP * dv, .n = 0};
+    for (int r = 0; r < dk; r++) {
+        const vf vk = VSET(kk[r]), vq = VSET(qq[r]);
+        const int32_t sl = slot[r];
+        if (sl >= 0) {
+            uint16_t *row = hi + (b * n_hi + sl) * (long)dv;
+            const vf va = VSET(alpha[r]);
+            for (int v = 0; v < NV; v++) {
+                const vf x = VFMA(vk, acc[v], VMUL(va, load_f16(row + v * W)));
+                store_f16(row + v * W, x);
+                out[v] = VFMA(vq, x, out[v]);
+            }
+        } else {
+            const long li = b * n_lo + (-sl - 1);
+            int8_t *codes = lo + li * (long)dv;
+            float *x = p.x + (long)p.n * dv;
+            const vf vc = VSET(alpha[r] * half_bits_to_float(lo_scale[li]));
+            vf vmax = VZERO();
+            for (int v = 0; v < NV; v++) {
+                const vf xv = VFMA(vk, acc[v], VMUL(vc, load_i8(codes + v * W)));
+                VSTORE(x + v * W, xv);
+                out[v] = VFMA(vq, xv, out[v]);
+                vmax = _mm512_range_ps(vmax, xv, 0x0B);  // max(|vmax|, |x|): one instruction for abs + max
+            }
+            VSTORE(p.vmax + p.n * W, vmax);
+            p.codes[p.n] = codes;
+            p.scale[p.n] = lo_scale + li;
+            if (++p.n == GROUP) encode_pending(NV, &p);
+        }
+    }
+    if (p.n) encode_pending(NV, &p);
+    for (int v = 0; v < NV; v++) VSTORE(oo + v * W, out[v]);
+}
+
+// the floats head_mixed_nv needs as scratch
+#define MIXED_NV_SCRATCH(dk, dv) (GROUP * (size_t)(dv) + GROUP * W)
+
+#define NV_CASES(CALL) \
+    case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; \
+    case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; case 8: CALL(8); break;
+#define REGISTER_NV(dv) ((dv) % W == 0 && (dv) <= 8 * W ? (dv) / W : 0)
+#else
+#define REGISTER_NV(dv) 0
+#define MIXED_NV_SCRATCH(dk, dv) 0
+#endif
+
+// n floats, 64-byte aligned (whole cache lines for the vector loads and stores), or NULL
+static float *scratch(size_t n) { return (float *)aligned_alloc(64, (sizeof(float) * n + 63) / 64 * 64); }
+
 int accel_state_simd_width(void) { return W; }
 
 int accel_state_step_f32(int B, int H, int dk, int dv, int kda, float *S, const float *q, const float *k,
                          const float *v, const float *g, const float *beta, float *o, int threads) {
     const int nt = threads > 0 ? threads : omp_get_max_threads();  // no global side effect
+    const int nv = REGISTER_NV(dv);
     int failed = 0;
 #pragma omp parallel num_threads(nt)
     {
-        float *mem = (float *)malloc(sizeof(float) * ((size_t)dv + dk));
+        float *mem = scratch((size_t)dv + dk);  // S^T k, the decays
         if (!mem) {
 #pragma omp atomic write
             failed = 1;
@@ -251,6 +441,13 @@ int accel_state_step_f32(int B, int H, int dk, int dv, int kda, float *S, const 
             const float *kk = k + bh * dk, *qq = q + bh * dk;
             float *oo = o + bh * dv;
             decays(alpha, g, kda, bh, dk);
+#if W == 16
+            if (nv) {
+#define F32_NV(N) head_f32_nv(N, s, alpha, kk, qq, v + bh * dv, beta[bh], oo, dk)
+                switch (nv) { NV_CASES(F32_NV) }
+                continue;
+            }
+#endif
             memset(mem, 0, sizeof(float) * (size_t)dv);
             for (int r = 0; r < dk; r++) dot_f32(s + (long)r * dv, alpha[r] * kk[r], mem, dv);
             delta_rule(mem, v + bh * dv, beta[bh], oo, dv);
@@ -265,10 +462,13 @@ int accel_state_step_mixed(int B, int H, int dk, int dv, int kda, const int32_t 
                            uint16_t *hi, int8_t *lo, uint16_t *lo_scale, const float *q, const float *k,
                            const float *v, const float *g, const float *beta, float *o, int threads) {
     const int nt = threads > 0 ? threads : omp_get_max_threads();  // no global side effect
+    const int nv = REGISTER_NV(dv);
+    const size_t dk16 = ((size_t)dk + 15) / 16 * 16;
     int failed = 0;
 #pragma omp parallel num_threads(nt)
     {
-        float *mem = (float *)malloc(sizeof(float) * (2 * (size_t)dv + dk));
+        // S^T k, the int8 row buffer, the decays (rounded up to whole cache lines), and the register path's scratch
+        float *mem = scratch(2 * (size_t)dv + dk16 + (nv ? MIXED_NV_SCRATCH(dk, dv) : 0));
         if (!mem) {
 #pragma omp atomic write
             failed = 1;
@@ -281,6 +481,14 @@ int accel_state_step_mixed(int B, int H, int dk, int dv, int kda, const int32_t 
             const float *kk = k + bh * dk, *qq = q + bh * dk;
             float *oo = o + bh * dv;
             decays(alpha, g, kda, bh, dk);
+#if W == 16
+            if (nv) {
+#define MIXED_NV(N) head_mixed_nv(N, b, slot + h * dk, n_hi, n_lo, hi, lo, lo_scale, alpha, kk, qq, v + bh * dv, \
+                                  beta[bh], oo, mem + 2 * (size_t)dv + dk16, dk)
+                switch (nv) { NV_CASES(MIXED_NV) }
+                continue;
+            }
+#endif
             memset(mem, 0, sizeof(float) * (size_t)dv);
             for (int r = 0; r < dk; r++) {  // S^T k of the decayed state, read straight from the storage
                 const float ak = alpha[r] * kk[r];
