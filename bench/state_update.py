@@ -5,7 +5,9 @@
 Arms per shape: `torch_f32` (transformers' recurrent update in PyTorch ops, float32 state), `c_f32` (the same
 loop as the DAMP kernel on a float32 state), `c_damp` (accel.kernels.state_update.step_mixed on DAMP storage: 22.5%
 of channels float16 at d_v 128 so the state holds 9.9 bits per value with scales, the rest INT8; at the fixtures'
-d_v 64, 21.3%), and `copy` (numpy copy of the float32 state's bytes, then of the DAMP bytes: the bandwidth floor).
+d_v 64, 21.3%), `c_water` (step_water on an `alloc=water` map's storage at 9.9 bits: every channel its own INT-K
+width, chosen by the map's own water-filling on random log-normal channel risks, so widths spread over ~6..13),
+and `copy` (numpy copy of the float32 state's bytes, then of the DAMP bytes: the bandwidth floor).
 One step updates every linear-attention layer once (each has its own state, as in decoding), so for many layers
 the states do not stay in the core's caches between their updates (this machine reports a 480 MB L3, so only
 batch 16, 1.2 GB of float32 state, is certain to stream from DRAM). Shapes: the committed fixtures (from their
@@ -33,7 +35,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from accel.converters.aliases import FIXTURES_DIR
-from accel.kernels.state_update import MixedState, step_f32, step_mixed, step_torch
+from accel.kernels.state_update import MixedState, WaterState, step_f32, step_mixed, step_torch, step_water
+from accel.quantize.damp import WATER_BITS, water_fill
 from accel.runtime.state_cache import row_bits
 from accel.runtime.state_shapes import state_shape
 
@@ -43,6 +46,14 @@ TARGET_BITS = 9.9
 def high_fraction(d_v: int) -> float:
     lo, hi = row_bits("int8", d_v), row_bits("fp16", d_v)
     return (TARGET_BITS - lo) / (hi - lo)
+
+
+def water_widths(rng, h: int, dk: int, dv: int) -> np.ndarray:
+    """An alloc=water map's widths [h, dk] at TARGET_BITS, water-filled on random log-normal risks r·4^-K."""
+    risk = np.exp(rng.normal(size=h * dk) * 2.0)
+    loss = risk[:, None] * 4.0 ** -np.asarray(WATER_BITS, dtype=np.float64)[None, :]
+    steps = int(np.floor((TARGET_BITS - row_bits(f"int{WATER_BITS[0]}", dv)) * h * dk + 1e-6))
+    return (WATER_BITS[0] + water_fill(loss, steps)).astype(np.uint8).reshape(h, dk)
 
 
 def fixture_shape(name: str) -> tuple:
@@ -86,6 +97,8 @@ def bench_shape(name, layers, b, h, dk, dv, kda, threads, repeats, min_seconds, 
     high = np.zeros(h * dk, dtype=np.uint8)
     high[rng.permutation(h * dk)[:n_high]] = 1
     mixed = [MixedState.from_float(s, high.reshape(h, dk)) for s in states]
+    widths = water_widths(rng, h, dk, dv)
+    water = [WaterState.from_float(s, widths) for s in states]
     step_inputs = [inputs(rng, b, h, dk, dv, kda) for _ in range(layers)]
     torch_states = [torch.from_numpy(s.copy()) for s in states]
     torch_inputs = [tuple(torch.from_numpy(x) for x in inp) for inp in step_inputs]
@@ -103,21 +116,29 @@ def bench_shape(name, layers, b, h, dk, dv, kda, threads, repeats, min_seconds, 
         for i in range(layers):
             step_mixed(mixed[i], *step_inputs[i], threads=threads)
 
+    def run_water():
+        for i in range(layers):
+            step_water(water[i], *step_inputs[i], threads=threads)
+
     f32_bytes = sum(s.nbytes for s in states)
     damp_bytes = sum(m.nbytes for m in mixed)
+    water_bytes = sum(w.nbytes for w in water)
     big_src = np.ones(f32_bytes // 4, dtype=np.float32)
     big_dst = np.empty_like(big_src)
     small_src, small_dst = big_src[: damp_bytes // 4], big_dst[: damp_bytes // 4]
 
     row = {"shape": name, "layers": layers, "batch": b, "heads": h, "d_k": dk, "d_v": dv,
            "decay": "kda" if kda else "gdn", "f32_state_bytes": f32_bytes, "damp_state_bytes": damp_bytes,
-           "damp_bits_per_value": 8.0 * damp_bytes / (f32_bytes / 4), "high_fraction": n_high / (h * dk)}
-    medians = interleaved_medians({"torch_f32": run_torch, "c_f32": run_f32, "c_damp": run_damp,
+           "damp_bits_per_value": 8.0 * damp_bytes / (f32_bytes / 4), "high_fraction": n_high / (h * dk),
+           "water_state_bytes": water_bytes, "water_bits_per_value": 8.0 * water_bytes / (f32_bytes / 4),
+           "water_widths": [int(widths.min()), int(widths.max())]}
+    medians = interleaved_medians({"torch_f32": run_torch, "c_f32": run_f32, "c_damp": run_damp, "c_water": run_water,
                                    "copy_f32": lambda: np.copyto(big_dst, big_src),
                                    "copy_damp": lambda: np.copyto(small_dst, small_src)}, repeats, min_seconds)
     row.update({f"{name}_ms": 1e3 * sec for name, sec in medians.items()})
     row["speedup_vs_c_f32"] = row["c_f32_ms"] / row["c_damp_ms"]
     row["speedup_vs_torch_f32"] = row["torch_f32_ms"] / row["c_damp_ms"]
+    row["water_speedup_vs_c_f32"] = row["c_f32_ms"] / row["c_water_ms"]
     return row
 
 
@@ -144,7 +165,10 @@ def main() -> None:
             print(f"{row['shape']:34s} torch f32 {row['torch_f32_ms']:9.3f} ms  C f32 {row['c_f32_ms']:9.3f} ms  "
                   f"C DAMP {row['c_damp_ms']:9.3f} ms ({row['damp_bits_per_value']:.2f} bits)  "
                   f"copy f32/DAMP {row['copy_f32_ms']:.3f}/{row['copy_damp_ms']:.3f} ms  "
-                  f"DAMP vs C f32 {row['speedup_vs_c_f32']:.2f}x, vs torch {row['speedup_vs_torch_f32']:.2f}x",
+                  f"DAMP vs C f32 {row['speedup_vs_c_f32']:.2f}x, vs torch {row['speedup_vs_torch_f32']:.2f}x  "
+                  f"C water {row['c_water_ms']:9.3f} ms ({row['water_bits_per_value']:.2f} bits, "
+                  f"int{row['water_widths'][0]}..int{row['water_widths'][1]}) vs C f32 "
+                  f"{row['water_speedup_vs_c_f32']:.2f}x",
                   file=sys.stderr)
     print(json.dumps({"bench": "state_update", "threads": args.threads, "target_bits": TARGET_BITS,
                       "rows": rows}))

@@ -79,6 +79,93 @@ def test_register_path_is_bit_identical_to_the_generic_path(kda, dv):
         np.testing.assert_array_equal(f32_fast, f32_generic[..., :dv])
 
 
+def _water_widths(rng, h, dk):
+    """Every width 2..16 at least once, the rest at random."""
+    w = rng.integers(2, 17, size=h * dk)
+    w[:15] = np.arange(2, 17)
+    return rng.permutation(w).reshape(h, dk)
+
+
+@pytest.mark.parametrize("kda", [False, True])
+@pytest.mark.parametrize("dims", [(2, 2, 16, 64), (1, 2, 24, 128), (1, 3, 8, 40), (2, 1, 16, 24)])
+def test_water_step_matches_float64_reference(kda, dims):
+    b, h, dk, dv = dims  # d_v 64 / 128 take the vector path (with AVX-512 VBMI), 40 / 24 the scalar loops
+    rng = np.random.default_rng(13)
+    widths = _water_widths(rng, h, dk)
+    state = su.WaterState.from_float(rng.normal(size=dims) * 0.3, widths)
+    for _ in range(3):  # the kernel reads what it wrote
+        start = state.to_float()
+        inp = _step_inputs(rng, b, h, dk, dv, kda)
+        o_ref, s_ref = su.reference_step(start, *inp)
+        o = su.step_water(state, *inp, threads=1)
+        np.testing.assert_allclose(o, o_ref, rtol=0, atol=2e-6 * np.abs(o_ref).max())
+        # each row within half its own step of the reference, plus qmax times the float16 scale's rounding (half
+        # an ulp: 2^-11 relative, or 2^-25 where the scale is subnormal, as at K >= 12 on small rows), and (rare
+        # ties aside) exactly the runtime's encoding
+        got, ref = state.to_float().reshape(b, h * dk, dv), s_ref.reshape(b, h * dk, dv)
+        qmax = (2.0 ** (widths.reshape(-1).astype(np.float64) - 1) - 1)[None, :, None]
+        step = np.maximum(np.abs(ref).max(axis=-1, keepdims=True) / qmax, 2.0**-24)
+        scale_error = np.maximum(step * 2.0**-11, 2.0**-25)
+        assert (np.abs(got - ref) <= (0.5 * step + qmax * scale_error) * 1.01 + 1e-7).all()
+        again = su.WaterState.from_float(s_ref.astype(np.float32), widths)
+        for k in again.codes:
+            assert (again.scales[k] == state.scales[k]).mean() > 0.99
+            assert (again.codes[k] == state.codes[k]).mean() > 0.99
+
+
+@pytest.mark.parametrize("kda", [False, True])
+@pytest.mark.parametrize("dv", [64, 128])
+def test_water_vector_path_is_bit_identical_to_the_scalar_loops(kda, dv):
+    """As for the two-tier kernel: d_v 64 / 128 take the vector path, the same state zero-padded to d_v 72 / 136
+    the scalar loops; the first d_v columns must agree bit for bit, codes and scales of every width included."""
+    if not su.water_vector_path(dv):
+        pytest.skip("no AVX-512 VBMI here: both shapes take the scalar loops")
+    rng = np.random.default_rng(17)
+    b, h, dk = 2, 2, 32
+    widths = _water_widths(rng, h, dk)
+    start = (rng.normal(size=(b, h, dk, dv)) * 0.3).astype(np.float32)
+    padded = np.concatenate([start, np.zeros((b, h, dk, 8), np.float32)], axis=-1)
+    fast, scalar = su.WaterState.from_float(start, widths), su.WaterState.from_float(padded, widths)
+    assert not su.water_vector_path(dv + 8)
+    for _ in range(3):
+        q, k, v, g, beta = (np.asarray(x, dtype=np.float32) for x in _step_inputs(rng, b, h, dk, dv, kda))
+        v_pad = np.concatenate([v, np.zeros((b, h, 8), np.float32)], axis=-1)
+        o_fast = su.step_water(fast, q, k, v, g, beta, threads=1)
+        o_scalar = su.step_water(scalar, q, k, v_pad, g, beta, threads=1)
+        np.testing.assert_array_equal(o_fast, o_scalar[..., :dv])
+        np.testing.assert_array_equal(fast.to_float(), scalar.to_float()[..., :dv])
+        for k_ in fast.codes:
+            np.testing.assert_array_equal(fast.scales[k_], scalar.scales[k_])
+            rows_fast = fast.codes[k_].reshape(-1, dv * k_ // 8)
+            rows_scalar = scalar.codes[k_].reshape(-1, (dv + 8) * k_ // 8)
+            np.testing.assert_array_equal(rows_fast, rows_scalar[:, : dv * k_ // 8])
+
+
+def test_water_state_is_the_runtime_storage_and_refuses_bad_widths():
+    from accel.runtime.state_cache import StateScheme
+    from accel.runtime.state_shapes import StateShape
+
+    rng = np.random.default_rng(19)
+    widths = _water_widths(rng, 2, 16)
+    s = (rng.normal(size=(2, 2, 16, 64)) * 0.3).astype(np.float32)
+    state = su.WaterState.from_float(s, widths)
+    shape = StateShape(arch="gdn", layers=(0,), heads=2, d_k=16, d_v=64)
+    scheme = StateScheme(shape, low="int8", row_formats={0: [f"int{k}" for k in widths.reshape(-1)]})
+    stored = scheme.store(0, torch.from_numpy(s))
+    assert stored.nbytes == state.nbytes
+    for k in state.codes:
+        np.testing.assert_array_equal(
+            stored.parts[f"int{k}.codes"].contiguous().view(torch.uint8).numpy().reshape(-1), state.codes[k])
+    np.testing.assert_array_equal(scheme.load(0, stored).numpy(), state.to_float())
+    with pytest.raises(ValueError, match="2..16"):
+        su.WaterState.from_float(s, np.full((2, 16), 17))
+    state.width[3] = 1  # a corrupted width array reaches the kernel: refused, nothing written
+    before = {k: c.copy() for k, c in state.codes.items()}
+    with pytest.raises(ValueError, match="2..16"):
+        su.step_water(state, *_step_inputs(rng, 2, 2, 16, 64, False))
+    assert all((before[k] == state.codes[k]).all() for k in before)
+
+
 @pytest.mark.parametrize("kda", [False, True])
 def test_float32_step_matches_reference_and_torch(kda):
     rng = np.random.default_rng(3)

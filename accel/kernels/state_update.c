@@ -522,3 +522,286 @@ int accel_state_step_mixed(int B, int H, int dk, int dv, int kda, const int32_t 
     }
     return failed ? -1 : 0;
 }
+
+// ---------------------------------------------------------------------------------------------------------------
+// accel_state_step_water: the same step on a water-filled DAMP map, where every channel has its own INT-K width
+// (K = 2..16): symmetric codes on 2^K - 1 levels (qmax = 2^(K-1) - 1), one float16 scale a row (absmax / qmax, at
+// least 2^-24), codes stored as K-bit fields of a little-endian bit stream, value i at bits [iK, (i + 1)K) of its
+// row, as code + qmax (K = 8: the code's own byte, two's complement) — the runtime's storage
+// (accel.runtime.state_cache, `StateScheme(row_formats=...)`): per width one stream of the rows of that width
+// (batch-major), d_v * K / 8 bytes a row. width[h * dk + r] is row r's K, slot[h * dk + r] its index among the
+// rows of its width, n_rows[K] their count (per batch element), codes[K] / scales[K] the width's stream.
+
+typedef struct {  // how a row of width K is stored: code = ((field ^ flip) - bias), field = (code + bias) ^ flip
+    int k, row_bytes;
+    int32_t qmax, bias, flip;
+} width_rule;
+
+static inline width_rule rule_of(int k, int dv) {
+    width_rule w = {k, dv * k / 8, (1 << (k - 1)) - 1, 0, 0};
+    w.bias = k == 8 ? 128 : w.qmax;
+    w.flip = k == 8 ? 0x80 : 0;
+    return w;
+}
+
+// the K-bit field of value i of a row (bits [iK, iK + K) of the little-endian stream)
+static inline uint32_t field_at(const uint8_t *row, int row_bytes, int k, int i) {
+    const int bit = i * k, byte = bit >> 3;
+    uint32_t word = 0;
+    for (int j = 0; j < 3 && byte + j < row_bytes; j++) word |= (uint32_t)row[byte + j] << (8 * j);
+    return (word >> (bit & 7)) & ((1u << k) - 1);
+}
+
+static void unpack_row(const uint8_t *row, width_rule w, int dv, float *out) {
+    for (int i = 0; i < dv; i++)
+        out[i] = (float)((int32_t)(field_at(row, w.row_bytes, w.k, i) ^ (uint32_t)w.flip) - w.bias);
+}
+
+// codes = clamp(round-half-even(x * inv), -qmax, qmax), written as fields
+static void pack_row(uint8_t *row, width_rule w, int dv, const float *x, float inv) {
+    memset(row, 0, (size_t)w.row_bytes);
+    for (int i = 0; i < dv; i++) {
+        float c = __builtin_roundevenf(x[i] * inv);
+        c = c > (float)w.qmax ? (float)w.qmax : (c < (float)-w.qmax ? (float)-w.qmax : c);
+        const uint32_t f = ((uint32_t)((int32_t)c + w.bias) ^ (uint32_t)w.flip) & ((1u << w.k) - 1);
+        const int bit = i * w.k, byte = bit >> 3;
+        const uint32_t word = f << (bit & 7);
+        for (int j = 0; j < 3 && byte + j < w.row_bytes; j++) row[byte + j] |= (uint8_t)(word >> (8 * j));
+    }
+}
+
+#if W == 16 && defined(__AVX512VBMI__)
+// --- vector path (AVX-512 VBMI, d_v = 16..128 in steps of 16): a block of 16 values of a K-bit row is 2K bytes.
+typedef struct {
+    __m512i unpack_idx, unpack_shift;  // per value: its 4 bytes from the block, then its bit offset in them
+    __m512i pack_shift, idx_a, idx_b;  // the packing of 16 fields into 2K bytes (see pack16)
+    __mmask64 mask_a, mask_b, block;   // the bytes each half of the packing writes; the block's 2K bytes
+    __m512i field, flip, bias, qmax, neg_qmax;
+    __m512i pair_shift, quad_shift;  // 32 - K and 2K in every qword (per-lane shifts: no port-5 uop)
+} width_tables;
+
+static void make_tables(width_tables *t, width_rule w) {
+    const int k = w.k;
+    uint8_t ui[64], ia[64] = {0}, ib[64] = {0};
+    int32_t us[16];
+    for (int i = 0; i < 16; i++) {
+        for (int j = 0; j < 4; j++) ui[4 * i + j] = (uint8_t)(((i * k) >> 3) + j);
+        us[i] = (i * k) & 7;
+    }
+    t->unpack_idx = _mm512_loadu_si512(ui);
+    t->unpack_shift = _mm512_loadu_si512(us);
+    // after pairing, qword 2L of the packed vector holds fields 4L..4L+3 (4K bits); it starts at bit 4K * L of the
+    // block, so lanes 1 and 3 are first shifted by (4K mod 8) and the bytes of lanes 0, 2 and of lanes 1, 3 are
+    // gathered separately (a byte where two lanes meet gets a nibble from each) and or-ed
+    const int sh = (4 * k) & 7;
+    t->pack_shift = _mm512_setr_epi64(0, 0, sh, 0, 0, 0, sh, 0);
+    t->mask_a = t->mask_b = 0;
+    for (int lane = 0; lane < 4; lane++) {
+        const int start = (4 * k * lane) >> 3, bits = 4 * k + ((lane & 1) ? sh : 0), n = (bits + 7) >> 3;
+        for (int j = 0; j < n; j++) {
+            if (lane & 1) {
+                ib[start + j] = (uint8_t)(16 * lane + j);
+                t->mask_b |= 1ULL << (start + j);
+            } else {
+                ia[start + j] = (uint8_t)(16 * lane + j);
+                t->mask_a |= 1ULL << (start + j);
+            }
+        }
+    }
+    t->idx_a = _mm512_loadu_si512(ia);
+    t->idx_b = _mm512_loadu_si512(ib);
+    t->block = (2 * k == 64) ? ~0ULL : ((1ULL << (2 * k)) - 1);
+    t->field = _mm512_set1_epi32((1 << k) - 1);
+    t->flip = _mm512_set1_epi32(w.flip);
+    t->bias = _mm512_set1_epi32(w.bias);
+    t->qmax = _mm512_set1_epi32(w.qmax);
+    t->neg_qmax = _mm512_set1_epi32(-w.qmax);
+    t->pair_shift = _mm512_set1_epi64(32 - k);
+    t->quad_shift = _mm512_set1_epi64(2 * k);
+}
+
+// the 16 codes of a block, as float
+static inline vf unpack16(const uint8_t *p, const width_tables *t) {
+    __m512i f = _mm512_permutexvar_epi8(t->unpack_idx, _mm512_maskz_loadu_epi8(t->block, p));
+    f = _mm512_and_si512(_mm512_srlv_epi32(f, t->unpack_shift), t->field);
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_xor_si512(f, t->flip), t->bias));
+}
+
+// codes = clamp(round-half-even(x * inv), -qmax, qmax) of 16 values, written as their 2K bytes
+static inline void pack16(uint8_t *p, vf x, vf inv, const width_tables *t) {
+    __m512i c = _mm512_cvtps_epi32(VMUL(x, inv));
+    c = _mm512_min_epi32(_mm512_max_epi32(c, t->neg_qmax), t->qmax);
+    const __m512i f = _mm512_xor_si512(_mm512_add_epi32(c, t->bias), t->flip);  // fields, K bits each
+    // pairs of fields to qwords: f[2j] | f[2j + 1] << K (the high dword shifted down by 32 - K; K <= 16)
+    const __m512i pair = _mm512_ternarylogic_epi64(f, _mm512_set1_epi64(0xFFFFFFFF),
+                                                   _mm512_srlv_epi64(f, t->pair_shift), 0xEA);  // (a & b) | c
+    // pairs of qwords within each 128-bit lane: qword 2L = fields 4L..4L+3
+    __m512i quad = _mm512_or_si512(pair, _mm512_sllv_epi64(_mm512_bsrli_epi128(pair, 8), t->quad_shift));
+    quad = _mm512_sllv_epi64(quad, t->pack_shift);
+    const __m512i bytes = _mm512_or_si512(_mm512_maskz_permutexvar_epi8(t->mask_a, t->idx_a, quad),
+                                          _mm512_maskz_permutexvar_epi8(t->mask_b, t->idx_b, quad));
+    _mm512_mask_storeu_epi8(p, t->block, bytes);
+}
+
+typedef struct {
+    float *x, *vmax;
+    uint8_t *codes[GROUP];
+    uint16_t *scale[GROUP];
+    int k[GROUP];
+    float qmax[GROUP];
+    int n;
+} pending_water;
+
+// as encode_pending, with each row's own qmax and width
+static inline __attribute__((always_inline)) void encode_pending_water(const int NV, pending_water *p,
+                                                                         const width_tables *tables) {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    vf m[GROUP];
+    for (int i = 0; i < GROUP; i++) m[i] = VLOAD(p->vmax + i * W);  // rows past n hold stale maxima, unused
+    for (int n = GROUP / 2; n >= 1; n /= 2)
+        for (int i = 0; i < n; i++)
+            m[i] = VMAX(_mm512_permutex2var_ps(m[2 * i], even, m[2 * i + 1]),
+                        _mm512_permutex2var_ps(m[2 * i], odd, m[2 * i + 1]));
+    const vf sc = VMAX(VSET(0x1p-24f), _mm512_div_ps(m[0], VLOAD(p->qmax)));
+    const __m256i half = _mm512_cvtps_ph(sc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    uint16_t bits[GROUP];
+    float inv[GROUP];
+    _mm256_storeu_si256((__m256i *)bits, half);
+    VSTORE(inv, _mm512_div_ps(VSET(1.0f), _mm512_cvtph_ps(half)));
+    for (int i = 0; i < p->n; i++) {
+        const width_tables *t = tables + p->k[i];
+        const float *x = p->x + (long)i * NV * W;
+        const vf vi = VSET(inv[i]);
+        *p->scale[i] = bits[i];
+        for (int v = 0; v < NV; v++) pack16(p->codes[i] + v * 2 * p->k[i], VLOAD(x + v * W), vi, t);
+    }
+    p->n = 0;
+}
+
+static inline __attribute__((always_inline)) void head_water_nv(
+    const int NV, long b, const int32_t *restrict slot, const uint8_t *restrict width, const int32_t *n_rows,
+    uint8_t *const *codes, uint16_t *const *scales, const width_tables *tables, const float *restrict alpha,
+    const float *restrict kk, const float *restrict qq, const float *restrict vv, float beta, float *restrict oo,
+    float *restrict scratch, int dk) {
+    const int dv = NV * W;
+    vf acc[8], out[8];
+    for (int v = 0; v < NV; v++) acc[v] = VZERO();
+    for (int r = 0; r < dk; r++) {  // S^T k of the decayed state, read straight from the codes
+        const int k = width[r];
+        const long li = b * n_rows[k] + slot[r];
+        const uint8_t *row = codes[k] + li * (dv * k / 8);
+        const width_tables *t = tables + k;
+        for (int l = 0; l < dv * k / 8; l += 64) _mm_prefetch((const char *)row + AHEAD + l, _MM_HINT_T1);
+        const vf c = VSET(alpha[r] * kk[r] * half_bits_to_float(scales[k][li]));
+        for (int v = 0; v < NV; v++) acc[v] = VFMA(c, unpack16(row + v * 2 * k, t), acc[v]);
+    }
+    const vf vb = VSET(beta);
+    for (int v = 0; v < NV; v++) {
+        acc[v] = VMUL(vb, _mm512_sub_ps(VLOAD(vv + v * W), acc[v]));  // delta
+        out[v] = VZERO();
+    }
+    pending_water p = {.x = scratch, .vmax = scratch + GROUP * dv, .n = 0};
+    for (int r = 0; r < dk; r++) {  // decay + rank-1 update + output; codes encoded GROUP rows at a time
+        const int k = width[r];
+        const long li = b * n_rows[k] + slot[r];
+        uint8_t *row = codes[k] + li * (dv * k / 8);
+        const width_tables *t = tables + k;
+        const vf vk = VSET(kk[r]), vq = VSET(qq[r]), vc = VSET(alpha[r] * half_bits_to_float(scales[k][li]));
+        float *x = p.x + (long)p.n * dv;
+        vf vmax = VZERO();
+        for (int v = 0; v < NV; v++) {
+            const vf xv = VFMA(vk, acc[v], VMUL(vc, unpack16(row + v * 2 * k, t)));
+            VSTORE(x + v * W, xv);
+            out[v] = VFMA(vq, xv, out[v]);
+            vmax = _mm512_range_ps(vmax, xv, 0x0B);
+        }
+        VSTORE(p.vmax + p.n * W, vmax);
+        p.codes[p.n] = row;
+        p.scale[p.n] = scales[k] + li;
+        p.k[p.n] = k;
+        p.qmax[p.n] = (float)((1 << (k - 1)) - 1);
+        if (++p.n == GROUP) encode_pending_water(NV, &p, tables);
+    }
+    if (p.n) encode_pending_water(NV, &p, tables);
+    for (int v = 0; v < NV; v++) VSTORE(oo + v * W, out[v]);
+}
+#define WATER_NV(dv) REGISTER_NV(dv)
+#else
+#define WATER_NV(dv) 0
+#endif
+
+int accel_state_water_vector_path(int dv) { return WATER_NV(dv) != 0; }
+
+int accel_state_step_water(int B, int H, int dk, int dv, int kda, const int32_t *slot, const uint8_t *width,
+                           const int32_t *n_rows, uint8_t *const *codes, uint16_t *const *scales, const float *q,
+                           const float *k, const float *v, const float *g, const float *beta, float *o,
+                           int threads) {
+    const int nt = threads > 0 ? threads : omp_get_max_threads();  // no global side effect
+    if (dv % 8) return -2;  // rows of d_v * K bits are whole bytes only for d_v a multiple of 8
+    for (int i = 0; i < H * dk; i++)
+        if (width[i] < 2 || width[i] > 16) return -2;
+    const int nv = WATER_NV(dv);
+    const size_t dk16 = ((size_t)dk + 15) / 16 * 16;
+#if W == 16 && defined(__AVX512VBMI__)
+    width_tables tables[17];
+    for (int kk = 2; kk <= 16; kk++) make_tables(tables + kk, rule_of(kk, dv));
+#endif
+    int failed = 0;
+#pragma omp parallel num_threads(nt)
+    {
+        // S^T k, the row buffer, the decays (rounded up to whole cache lines), and the vector path's scratch
+        float *mem = scratch(2 * (size_t)dv + dk16 + (nv ? MIXED_NV_SCRATCH(dk, dv) : 0));
+        if (!mem) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (long bh = 0; bh < (long)B * H; bh++) {
+            if (!mem) continue;
+            const long b = bh / H, h = bh % H;
+            float *buf = mem + dv, *alpha = mem + 2 * dv;
+            const float *kk = k + bh * dk, *qq = q + bh * dk;
+            float *oo = o + bh * dv;
+            decays(alpha, g, kda, bh, dk);
+#if W == 16 && defined(__AVX512VBMI__)
+            if (nv) {
+#define WATER_CALL(N) head_water_nv(N, b, slot + h * dk, width + h * dk, n_rows, codes, scales, tables, alpha, kk, \
+                                    qq, v + bh * dv, beta[bh], oo, mem + 2 * (size_t)dv + dk16, dk)
+                switch (nv) { NV_CASES(WATER_CALL) }
+                continue;
+            }
+#endif
+            // generic (scalar): each row decoded into buf
+            memset(mem, 0, sizeof(float) * (size_t)dv);
+            for (int r = 0; r < dk; r++) {
+                const width_rule w = rule_of(width[h * dk + r], dv);
+                const long li = b * n_rows[w.k] + slot[h * dk + r];
+                unpack_row(codes[w.k] + li * w.row_bytes, w, dv, buf);
+                const float c = alpha[r] * kk[r] * half_bits_to_float(scales[w.k][li]);
+                for (int j = 0; j < dv; j++) mem[j] = fmaf(c, buf[j], mem[j]);
+            }
+            delta_rule(mem, v + bh * dv, beta[bh], oo, dv);
+            for (int r = 0; r < dk; r++) {
+                const width_rule w = rule_of(width[h * dk + r], dv);
+                const long li = b * n_rows[w.k] + slot[h * dk + r];
+                uint8_t *row = codes[w.k] + li * w.row_bytes;
+                unpack_row(row, w, dv, buf);
+                float amax = 0.0f;
+                const float c = alpha[r] * half_bits_to_float(scales[w.k][li]), kr = kk[r], qr = qq[r];
+                for (int j = 0; j < dv; j++) {  // fused as in the vector path, so both give the same bits
+                    buf[j] = fmaf(kr, mem[j], c * buf[j]);
+                    oo[j] = fmaf(qr, buf[j], oo[j]);
+                    const float ax = fabsf(buf[j]);
+                    amax = ax > amax ? ax : amax;
+                }
+                float sc = amax / (float)w.qmax;
+                if (sc < 0x1p-24f) sc = 0x1p-24f;
+                scales[w.k][li] = float_to_half_bits(sc);
+                pack_row(row, w, dv, buf, 1.0f / half_bits_to_float(scales[w.k][li]));
+            }
+        }
+        free(mem);
+    }
+    return failed ? -1 : 0;
+}

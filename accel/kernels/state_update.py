@@ -3,7 +3,8 @@
 One decode step of the gated delta rule for a layer (see state_update.c): decay (per head for GDN, per channel for
 KDA), delta-rule write, output. `step_mixed` reads and writes a `MixedState` — float16 rows for the kept channels,
 int8 rows with float16 scales for the rest, exactly the runtime's storage (accel.runtime.state_cache) — without
-materialising a float32 copy of the state. `step_f32` is the same loop on a float32 state (the baseline);
+materialising a float32 copy of the state. `step_water` does the same on a `WaterState`, the storage of an
+`alloc=water` map: every channel its own INT-K width (K = 2..16), K-bit codes in bit streams. `step_f32` is the same loop on a float32 state (the baseline);
 `reference_step` is the float64 reference both are tested against.
 
 The C source is compiled with gcc on first use (`accel.kernels._build`'s compiler, cache directory and CPU key)
@@ -14,7 +15,7 @@ expanded), v [B, H, d_v], g log-decay [B, H] (GDN) or [B, H, d_k] (KDA), beta [B
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
@@ -36,7 +37,10 @@ def library() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(_build.library_path(SOURCE, "state_update")))
     lib.accel_state_step_f32.argtypes = [_i32] * 5 + [_ptr] * 7 + [_i32]
     lib.accel_state_step_mixed.argtypes = [_i32] * 5 + [_ptr, _i32, _i32] + [_ptr] * 9 + [_i32]
+    lib.accel_state_step_water.argtypes = [_i32] * 5 + [_ptr] * 5 + [_ptr] * 6 + [_i32]
+    lib.accel_state_water_vector_path.argtypes = [_i32]
     lib.accel_state_step_f32.restype = lib.accel_state_step_mixed.restype = _i32
+    lib.accel_state_step_water.restype = lib.accel_state_water_vector_path.restype = _i32
     return lib
 
 
@@ -98,6 +102,77 @@ class MixedState:
         return 8.0 * self.nbytes / (self.batch * self.heads * self.d_k * self.d_v)
 
 
+WIDTHS = range(2, 17)
+
+
+@dataclass
+class WaterState:
+    """A layer's state in the storage of a water-filled DAMP map: row (head, channel) has its own width K.
+
+    Per width K, the rows of that width (batch-major, then in channel order) are one little-endian bit stream of
+    K-bit codes, d_v * K / 8 bytes a row, and one float16 scale a row: what `StateScheme(row_formats=...)` stores
+    for the layer (`accel.runtime.state_cache.encode_rows`), byte for byte."""
+
+    batch: int
+    heads: int
+    d_k: int
+    d_v: int
+    width: np.ndarray  # uint8 [heads * d_k], K of each row
+    slot: np.ndarray  # int32 [heads * d_k], the row's index among the rows of its width
+    codes: dict[int, np.ndarray]  # K -> uint8 stream [batch * rows of width K * d_v * K / 8]
+    scales: dict[int, np.ndarray]  # K -> uint16 (float16 bits) [batch * rows of width K]
+    _tables: tuple | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def from_float(cls, state: np.ndarray | torch.Tensor, widths: np.ndarray) -> WaterState:
+        """Encode [B, H, d_k, d_v] with row (h, r) in INT-widths[h, r]."""
+        s = torch.as_tensor(np.asarray(state), dtype=torch.float32)
+        b, h, dk, dv = s.shape
+        width = np.asarray(widths).reshape(-1).astype(np.uint8)
+        if width.size != h * dk or width.min() < 2 or width.max() > 16 or dv % 8:
+            raise ValueError(f"widths must be [{h}, {dk}] in 2..16 and d_v a multiple of 8 (d_v {dv})")
+        slot = np.zeros(h * dk, dtype=np.int32)
+        codes, scales = {}, {}
+        rows = s.reshape(b, h * dk, dv)
+        for k in np.unique(width).tolist():
+            idx = np.nonzero(width == k)[0]
+            slot[idx] = np.arange(idx.size, dtype=np.int32)
+            parts = encode_rows(rows[:, idx].reshape(-1, dv), f"int{k}")
+            codes[k] = parts["codes"].contiguous().view(torch.uint8).numpy().reshape(-1).copy()
+            scales[k] = parts["scales"].view(torch.int16).numpy().view(np.uint16).reshape(-1).copy()
+        return cls(b, h, dk, dv, width, slot, codes, scales)
+
+    def to_float(self) -> np.ndarray:
+        b, h, dk, dv = self.batch, self.heads, self.d_k, self.d_v
+        out = np.empty((b, h * dk, dv), dtype=np.float32)
+        for k, stream in self.codes.items():
+            idx = np.nonzero(self.width == k)[0]
+            parts = {"codes": torch.from_numpy(stream.view(np.int8).reshape(-1, dv) if k == 8 else stream),
+                     "scales": torch.from_numpy(self.scales[k].view(np.float16))}
+            out[:, idx] = decode_rows(parts, f"int{k}", b * idx.size, dv).numpy().reshape(b, idx.size, dv)
+        return out.reshape(b, h, dk, dv)
+
+    def kernel_tables(self) -> tuple[np.ndarray, ctypes.Array, ctypes.Array]:
+        """(rows per width [17], the streams' and the scales' addresses by width): what step_water passes the
+        kernel, made once (the arrays are rewritten in place, never replaced)."""
+        if self._tables is None:
+            n_rows = np.zeros(17, dtype=np.int32)
+            codes, scales = (ctypes.c_void_p * 17)(), (ctypes.c_void_p * 17)()
+            for k in self.codes:
+                n_rows[k] = int(np.count_nonzero(self.width == k))
+                codes[k], scales[k] = _p(self.codes[k]), _p(self.scales[k])
+            self._tables = (n_rows, codes, scales)
+        return self._tables
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.codes.values()) + sum(c.nbytes for c in self.scales.values())
+
+    @property
+    def bits_per_value(self) -> float:
+        return 8.0 * self.nbytes / (self.batch * self.heads * self.d_k * self.d_v)
+
+
 def _f32(x) -> np.ndarray:
     if isinstance(x, np.ndarray) and x.dtype == np.float32 and x.flags.c_contiguous:
         return x
@@ -145,6 +220,27 @@ def step_mixed(state: MixedState, q, k, v, g, beta, threads: int = 0) -> np.ndar
     if rc:
         raise MemoryError("the state-update kernel could not allocate its scratch")
     return o
+
+
+def step_water(state: WaterState, q, k, v, g, beta, threads: int = 0) -> np.ndarray:
+    """One step on water-map storage, in place (codes and scales rewritten); returns o [B, H, d_v]."""
+    b, h, dk, dv = state.batch, state.heads, state.d_k, state.d_v
+    q, k, v, g, beta = _inputs(q, k, v, g, beta, b, h, dk, dv)
+    o = np.empty((b, h, dv), dtype=np.float32)
+    n_rows, codes, scales = state.kernel_tables()
+    rc = library().accel_state_step_water(
+        b, h, dk, dv, int(g.ndim == 3), _p(state.slot), _p(state.width), _p(n_rows), ctypes.addressof(codes),
+        ctypes.addressof(scales), _p(q), _p(k), _p(v), _p(g), _p(beta), _p(o), threads)
+    if rc == -2:
+        raise ValueError(f"step_water needs widths in 2..16 and d_v a multiple of 8 (d_v {dv})")
+    if rc:
+        raise MemoryError("the state-update kernel could not allocate its scratch")
+    return o
+
+
+def water_vector_path(d_v: int) -> bool:
+    """Whether step_water takes the vector path at this d_v here (AVX-512 VBMI, d_v = 16..128 in steps of 16)."""
+    return bool(library().accel_state_water_vector_path(d_v))
 
 
 def reference_step(state: np.ndarray, q, k, v, g, beta) -> tuple[np.ndarray, np.ndarray]:
