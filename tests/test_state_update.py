@@ -114,10 +114,11 @@ def test_water_step_matches_float64_reference(kda, dims):
 
 
 @pytest.mark.parametrize("kda", [False, True])
-@pytest.mark.parametrize("dv", [64, 128])
+@pytest.mark.parametrize("dv", [48, 64, 128])
 def test_water_vector_path_is_bit_identical_to_the_scalar_loops(kda, dv):
-    """As for the two-tier kernel: d_v 64 / 128 take the vector path, the same state zero-padded to d_v 72 / 136
-    the scalar loops; the first d_v columns must agree bit for bit, codes and scales of every width included."""
+    """As for the two-tier kernel: d_v 48 / 64 / 128 take the vector path (blocks of 16 packed two at a time, and
+    one alone at 48), the same state zero-padded to d_v + 8 the scalar loops; the first d_v columns must agree bit
+    for bit, codes and scales of every width included."""
     if not su.water_vector_path(dv):
         pytest.skip("no AVX-512 VBMI here: both shapes take the scalar loops")
     rng = np.random.default_rng(17)

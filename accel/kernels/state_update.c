@@ -576,6 +576,8 @@ typedef struct {
     __m512i unpack_idx, unpack_shift;  // per value: its 4 bytes from the block, then its bit offset in them
     __m512i pack_shift, idx_a, idx_b;  // the packing of 16 fields into 2K bytes (see pack16)
     __mmask64 mask_a, mask_b, block;   // the bytes each half of the packing writes; the block's 2K bytes
+    __m512i idx_a2, idx_b2;            // the same for two blocks at once (4K bytes, the second from `quad1`)
+    __mmask64 mask_a2, mask_b2, block2;
     __m512i field, flip, bias, qmax, neg_qmax;
     __m512i pair_shift, quad_shift;  // 32 - K and 2K in every qword (per-lane shifts: no port-5 uop)
 } width_tables;
@@ -610,7 +612,17 @@ static void make_tables(width_tables *t, width_rule w) {
     }
     t->idx_a = _mm512_loadu_si512(ia);
     t->idx_b = _mm512_loadu_si512(ib);
-    t->block = (2 * k == 64) ? ~0ULL : ((1ULL << (2 * k)) - 1);
+    t->block = (1ULL << (2 * k)) - 1;  // 2K <= 32 bytes
+    uint8_t ia2[64], ib2[64];
+    for (int j = 0; j < 64; j++) {  // bytes 2K.. come from the second block's lanes: indices 64.. of the pair
+        ia2[j] = j < 2 * k ? ia[j] : (j < 4 * k ? (uint8_t)(64 + ia[j - 2 * k]) : 0);
+        ib2[j] = j < 2 * k ? ib[j] : (j < 4 * k ? (uint8_t)(64 + ib[j - 2 * k]) : 0);
+    }
+    t->idx_a2 = _mm512_loadu_si512(ia2);
+    t->idx_b2 = _mm512_loadu_si512(ib2);
+    t->mask_a2 = t->mask_a | (t->mask_a << (2 * k));
+    t->mask_b2 = t->mask_b | (t->mask_b << (2 * k));
+    t->block2 = 4 * k == 64 ? ~0ULL : (1ULL << (4 * k)) - 1;
     t->field = _mm512_set1_epi32((1 << k) - 1);
     t->flip = _mm512_set1_epi32(w.flip);
     t->bias = _mm512_set1_epi32(w.bias);
@@ -627,8 +639,9 @@ static inline vf unpack16(const uint8_t *p, const width_tables *t) {
     return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_xor_si512(f, t->flip), t->bias));
 }
 
-// codes = clamp(round-half-even(x * inv), -qmax, qmax) of 16 values, written as their 2K bytes
-static inline void pack16(uint8_t *p, vf x, vf inv, const width_tables *t) {
+// codes = clamp(round-half-even(x * inv), -qmax, qmax) of 16 values as K-bit fields, gathered by fours: qword 2L of
+// the result holds fields 4L..4L+3 (4K bits), shifted left by (4K mod 8) in lanes 1 and 3 (see make_tables)
+static inline __m512i quad16(vf x, vf inv, const width_tables *t) {
     __m512i c = _mm512_cvtps_epi32(VMUL(x, inv));
     c = _mm512_min_epi32(_mm512_max_epi32(c, t->neg_qmax), t->qmax);
     const __m512i f = _mm512_xor_si512(_mm512_add_epi32(c, t->bias), t->flip);  // fields, K bits each
@@ -636,11 +649,24 @@ static inline void pack16(uint8_t *p, vf x, vf inv, const width_tables *t) {
     const __m512i pair = _mm512_ternarylogic_epi64(f, _mm512_set1_epi64(0xFFFFFFFF),
                                                    _mm512_srlv_epi64(f, t->pair_shift), 0xEA);  // (a & b) | c
     // pairs of qwords within each 128-bit lane: qword 2L = fields 4L..4L+3
-    __m512i quad = _mm512_or_si512(pair, _mm512_sllv_epi64(_mm512_bsrli_epi128(pair, 8), t->quad_shift));
-    quad = _mm512_sllv_epi64(quad, t->pack_shift);
+    const __m512i quad = _mm512_or_si512(pair, _mm512_sllv_epi64(_mm512_bsrli_epi128(pair, 8), t->quad_shift));
+    return _mm512_sllv_epi64(quad, t->pack_shift);
+}
+
+// the 2K bytes of one block
+static inline void pack16(uint8_t *p, vf x, vf inv, const width_tables *t) {
+    const __m512i quad = quad16(x, inv, t);
     const __m512i bytes = _mm512_or_si512(_mm512_maskz_permutexvar_epi8(t->mask_a, t->idx_a, quad),
                                           _mm512_maskz_permutexvar_epi8(t->mask_b, t->idx_b, quad));
     _mm512_mask_storeu_epi8(p, t->block, bytes);
+}
+
+// the 4K bytes of two consecutive blocks: one two-source gather per half and one store
+static inline void pack32(uint8_t *p, vf x0, vf x1, vf inv, const width_tables *t) {
+    const __m512i q0 = quad16(x0, inv, t), q1 = quad16(x1, inv, t);
+    const __m512i bytes = _mm512_or_si512(_mm512_maskz_permutex2var_epi8(t->mask_a2, q0, t->idx_a2, q1),
+                                          _mm512_maskz_permutex2var_epi8(t->mask_b2, q0, t->idx_b2, q1));
+    _mm512_mask_storeu_epi8(p, t->block2, bytes);
 }
 
 typedef struct {
@@ -674,7 +700,10 @@ static inline __attribute__((always_inline)) void encode_pending_water(const int
         const float *x = p->x + (long)i * NV * W;
         const vf vi = VSET(inv[i]);
         *p->scale[i] = bits[i];
-        for (int v = 0; v < NV; v++) pack16(p->codes[i] + v * 2 * p->k[i], VLOAD(x + v * W), vi, t);
+        int v = 0;
+        for (; v + 2 <= NV; v += 2)
+            pack32(p->codes[i] + v * 2 * p->k[i], VLOAD(x + v * W), VLOAD(x + (v + 1) * W), vi, t);
+        if (v < NV) pack16(p->codes[i] + v * 2 * p->k[i], VLOAD(x + v * W), vi, t);
     }
     p->n = 0;
 }
