@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -160,10 +162,18 @@ def test_water_state_is_the_runtime_storage_and_refuses_bad_widths():
     np.testing.assert_array_equal(scheme.load(0, stored).numpy(), state.to_float())
     with pytest.raises(ValueError, match="2..16"):
         su.WaterState.from_float(s, np.full((2, 16), 17))
-    state.width[3] = 1  # a corrupted width array reaches the kernel: refused, nothing written
+    with pytest.raises(ValueError, match="read-only"):
+        state.width[3] = 9  # the streams are laid out by the widths: they cannot change under them
+    inp = _step_inputs(rng, 2, 2, 16, 64, False)
     before = {k: c.copy() for k, c in state.codes.items()}
+    bad = state.width.copy()
+    bad[3] = 1  # a width outside 2..16 reaches the kernel: refused, nothing written
     with pytest.raises(ValueError, match="2..16"):
-        su.step_water(state, *_step_inputs(rng, 2, 2, 16, 64, False))
+        su.step_water(dataclasses.replace(state, width=bad), *inp)
+    moved = state.width.copy()
+    moved[3] = 2 if moved[3] != 2 else 3  # a row moved to another width's stream: refused before the kernel
+    with pytest.raises(ValueError, match="do not match"):
+        su.step_water(dataclasses.replace(state, width=moved), *inp)
     assert all((before[k] == state.codes[k]).all() for k in before)
 
 

@@ -4,8 +4,8 @@ One decode step of the gated delta rule for a layer (see state_update.c): decay 
 KDA), delta-rule write, output. `step_mixed` reads and writes a `MixedState` — float16 rows for the kept channels,
 int8 rows with float16 scales for the rest, exactly the runtime's storage (accel.runtime.state_cache) — without
 materialising a float32 copy of the state. `step_water` does the same on a `WaterState`, the storage of an
-`alloc=water` map: every channel its own INT-K width (K = 2..16), K-bit codes in bit streams. `step_f32` is the same loop on a float32 state (the baseline);
-`reference_step` is the float64 reference both are tested against.
+`alloc=water` map: every channel its own INT-K width (K = 2..16), K-bit codes in bit streams. `step_f32` is the
+same loop on a float32 state (the baseline); `reference_step` is the float64 reference they are tested against.
 
 The C source is compiled with gcc on first use (`accel.kernels._build`'s compiler, cache directory and CPU key)
 and called through ctypes. Inputs: q, k [B, H, d_k] (already L2-normalised, q scaled by d_k^-0.5, GQA heads
@@ -102,16 +102,14 @@ class MixedState:
         return 8.0 * self.nbytes / (self.batch * self.heads * self.d_k * self.d_v)
 
 
-WIDTHS = range(2, 17)
-
-
 @dataclass
 class WaterState:
     """A layer's state in the storage of a water-filled DAMP map: row (head, channel) has its own width K.
 
     Per width K, the rows of that width (batch-major, then in channel order) are one little-endian bit stream of
     K-bit codes, d_v * K / 8 bytes a row, and one float16 scale a row: what `StateScheme(row_formats=...)` stores
-    for the layer (`accel.runtime.state_cache.encode_rows`), byte for byte."""
+    for the layer (`accel.runtime.state_cache.encode_rows`), byte for byte. `width` and `slot` are fixed when
+    the state is made (read-only arrays): the kernel indexes the streams by them."""
 
     batch: int
     heads: int
@@ -121,7 +119,7 @@ class WaterState:
     slot: np.ndarray  # int32 [heads * d_k], the row's index among the rows of its width
     codes: dict[int, np.ndarray]  # K -> uint8 stream [batch * rows of width K * d_v * K / 8]
     scales: dict[int, np.ndarray]  # K -> uint16 (float16 bits) [batch * rows of width K]
-    _tables: tuple | None = field(default=None, repr=False, compare=False)
+    _tables: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def from_float(cls, state: np.ndarray | torch.Tensor, widths: np.ndarray) -> WaterState:
@@ -140,6 +138,8 @@ class WaterState:
             parts = encode_rows(rows[:, idx].reshape(-1, dv), f"int{k}")
             codes[k] = parts["codes"].contiguous().view(torch.uint8).numpy().reshape(-1).copy()
             scales[k] = parts["scales"].view(torch.int16).numpy().view(np.uint16).reshape(-1).copy()
+        width.setflags(write=False)
+        slot.setflags(write=False)
         return cls(b, h, dk, dv, width, slot, codes, scales)
 
     def to_float(self) -> np.ndarray:
@@ -154,13 +154,22 @@ class WaterState:
 
     def kernel_tables(self) -> tuple[np.ndarray, ctypes.Array, ctypes.Array]:
         """(rows per width [17], the streams' and the scales' addresses by width): what step_water passes the
-        kernel, made once (the arrays are rewritten in place, never replaced)."""
+        kernel, checked against the arrays' sizes and made once (they are rewritten in place, never replaced)."""
         if self._tables is None:
             n_rows = np.zeros(17, dtype=np.int32)
             codes, scales = (ctypes.c_void_p * 17)(), (ctypes.c_void_p * 17)()
-            for k in self.codes:
-                n_rows[k] = int(np.count_nonzero(self.width == k))
-                codes[k], scales[k] = _p(self.codes[k]), _p(self.scales[k])
+            for k in range(2, 17):
+                rows = np.nonzero(self.width == k)[0]
+                n_rows[k] = rows.size
+                if not rows.size:
+                    continue
+                stream, scale = self.codes.get(k), self.scales.get(k)
+                if (stream is None or scale is None or stream.dtype != np.uint8 or scale.dtype != np.uint16
+                        or stream.size != self.batch * rows.size * self.d_v * k // 8
+                        or scale.size != self.batch * rows.size
+                        or sorted(self.slot[rows].tolist()) != list(range(rows.size))):
+                    raise ValueError(f"WaterState: the width-{k} rows do not match their stream, scales or slots")
+                codes[k], scales[k] = _p(stream), _p(scale)
             self._tables = (n_rows, codes, scales)
         return self._tables
 
