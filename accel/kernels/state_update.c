@@ -24,6 +24,9 @@
 //
 // Both kernels use the same vector helpers (AVX-512 when the compiler targets it, else AVX2 + F16C + FMA, else
 // scalar), so the float32 baseline is as vectorised as the DAMP kernel; vector paths use fused multiply-adds.
+//
+// accel_state_step_water (the last section) takes the same step on the storage of an `alloc=water` map, where each
+// channel has its own INT-K width (K = 2..16) and its codes sit in K-bit fields of a bit stream.
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
