@@ -52,6 +52,13 @@ def test_mixed_step_matches_float64_reference(kda, dims):
         assert (again.lo == state.lo).mean() > 0.999 and (again.lo_scale == state.lo_scale).mean() > 0.99
 
 
+def _padded_steps(rng, b, h, dk, dv, kda, steps=3):
+    """Float32 step inputs, each with v also padded by 8 zero columns (for a state padded the same way)."""
+    for _ in range(steps):
+        q, k, v, g, beta = (np.asarray(x, dtype=np.float32) for x in _step_inputs(rng, b, h, dk, dv, kda))
+        yield q, k, v, g, beta, np.concatenate([v, np.zeros((b, h, 8), np.float32)], axis=-1)
+
+
 @pytest.mark.parametrize("kda", [False, True])
 @pytest.mark.parametrize("dv", [64, 128])
 def test_register_path_is_bit_identical_to_the_generic_path(kda, dv):
@@ -65,9 +72,7 @@ def test_register_path_is_bit_identical_to_the_generic_path(kda, dv):
     padded = np.concatenate([start, np.zeros((b, h, dk, 8), np.float32)], axis=-1)
     fast, generic = su.MixedState.from_float(start, high), su.MixedState.from_float(padded, high)
     f32_fast, f32_generic = start.copy(), padded.copy()
-    for _ in range(3):
-        q, k, v, g, beta = (np.asarray(x, dtype=np.float32) for x in _step_inputs(rng, b, h, dk, dv, kda))
-        v_pad = np.concatenate([v, np.zeros((b, h, 8), np.float32)], axis=-1)
+    for q, k, v, g, beta, v_pad in _padded_steps(rng, b, h, dk, dv, kda):
         o_fast = su.step_mixed(fast, q, k, v, g, beta, threads=1)
         o_generic = su.step_mixed(generic, q, k, v_pad, g, beta, threads=1)
         np.testing.assert_array_equal(o_fast, o_generic[..., :dv])
@@ -130,9 +135,7 @@ def test_water_vector_path_is_bit_identical_to_the_scalar_loops(kda, dv):
     padded = np.concatenate([start, np.zeros((b, h, dk, 8), np.float32)], axis=-1)
     fast, scalar = su.WaterState.from_float(start, widths), su.WaterState.from_float(padded, widths)
     assert not su.water_vector_path(dv + 8)
-    for _ in range(3):
-        q, k, v, g, beta = (np.asarray(x, dtype=np.float32) for x in _step_inputs(rng, b, h, dk, dv, kda))
-        v_pad = np.concatenate([v, np.zeros((b, h, 8), np.float32)], axis=-1)
+    for q, k, v, g, beta, v_pad in _padded_steps(rng, b, h, dk, dv, kda):
         o_fast = su.step_water(fast, q, k, v, g, beta, threads=1)
         o_scalar = su.step_water(scalar, q, k, v_pad, g, beta, threads=1)
         np.testing.assert_array_equal(o_fast, o_scalar[..., :dv])
