@@ -40,3 +40,23 @@ def test_triton_matvec(rng, shape, codec, params):
     y = gpu.matvec(torch.from_numpy(x).to(triton_kernels._device())).cpu().double().numpy()
     ref = reference_matvec(entry, parts, x)
     assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-5
+
+
+def test_gpu_bench_script_runs_under_the_triton_interpreter():
+    """bench/gpu.py is what a session lent a GPU runs in its few minutes of device time: its plumbing (every kernel
+    checked against float64, every arm timed, the JSON line) is exercised here on tiny shapes."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(root / "bench" / "gpu.py"), "--interpret"], check=False,
+                         capture_output=True, text=True, timeout=300, cwd=root)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["goals"]["all_errors_ok"], out["matvec_errors"]
+    assert {e["kernel"] for e in out["matvec_errors"]} == {"int8", "int4", "int2", "base3", "leech-planes",
+                                                          "leech-onehot"}
+    assert {r["kernel"] for r in out["rows"]} >= {"torch-fp16", "leech-planes"}
+    assert len(out["state_rows"]) == 2 and out["state_error"]["ok"]

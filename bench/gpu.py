@@ -1,0 +1,234 @@
+"""The GPU checks of issues #4 and #6 in one short run, for a session that is lent a CUDA machine.
+
+1. Triton matvec kernels (accel.kernels.triton_kernels): each layout's relative error against the float64
+   reference (at --check-shape), then at each timed shape the time of torch's fp16 and fp32 `mv` and of every kernel,
+   its stored bytes, GB/s and speedup over fp16. Issue #4's goal: leech-planes >= 2x the fp16 matvec at 4096x4096.
+2. The Triton DAMP state update (accel.kernels.state_update_triton): its error against the float64 reference at a
+   small shape, then the time of one decode step of 36 Qwen3-Next layers (32 heads of 128x128 each) at batch 1, 4
+   and 16 against transformers' float32 update in torch ops on the same GPU. Issue #6's goal: >= 1.5x.
+
+Weights are random codes in each stored format (bench/gemv.py's `make_weight`); states are random, 22.5% of
+channels float16 and the rest INT8 (9.9 bits a value at d_v 128), as in bench/state_update.py. Times are medians
+of CUDA-event timed rounds after a warm-up (Triton compiles on the first call). The last line printed is one
+JSON object.
+
+    python bench/gpu.py [--shapes 4096x4096,...] [--rounds N]
+    python bench/gpu.py --interpret      # tiny shapes on the CPU under Triton's interpreter: checks this script
+
+Without Triton or a CUDA GPU (and without --interpret) it says so and exits 0: CI never has a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+KERNELS = ["int8", "int4", "int2", "base3", "leech-planes", "leech-onehot"]
+SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]
+STATE_BATCHES = (1, 4, 16)
+TARGET_BITS = 9.9
+
+
+def timer(device: str):
+    """(seconds of `fn` per call, median over rounds): CUDA events on a GPU, wall time on the CPU."""
+    import torch
+
+    def measure(fn, calls: int, rounds: int) -> float:
+        fn()  # warm-up (and Triton's compilation)
+        times = []
+        for _ in range(rounds):
+            if device == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(calls):
+                    fn()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end) / 1e3 / calls)
+            else:
+                t = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                times.append((time.perf_counter() - t) / calls)
+        return statistics.median(times)
+
+    return measure
+
+
+def matvec_checks(check_shape, shapes, device, rounds, rng) -> tuple[list[dict], list[dict]]:
+    import torch
+    from gemv import make_weight
+
+    from accel.kernels import kernel_weight, triton_kernels
+    from accel.kernels.reference import reference_matvec
+
+    measure = timer(device)
+    errors = []
+    for kind in KERNELS:
+        entry, parts = make_weight(kind, *check_shape, rng)
+        gpu = triton_kernels.gpu_weight(kernel_weight(entry, parts))
+        x = rng.standard_normal(check_shape[1]).astype(np.float32)
+        y = gpu.matvec(torch.from_numpy(x).to(device)).cpu().double().numpy()
+        ref = reference_matvec(entry, parts, x)
+        err = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+        errors.append({"shape": f"{check_shape[0]}x{check_shape[1]}", "kernel": kind, "rel_error": err,
+                       "ok": err < 1e-5})
+        print(f"check {kind:13s} {check_shape[0]}x{check_shape[1]}: relative error {err:.2e}", file=sys.stderr)
+    rows = []
+    for r, c in shapes:
+        x = torch.from_numpy(rng.standard_normal(c).astype(np.float32)).to(device)
+        dense = torch.from_numpy(rng.standard_normal((r, c)).astype(np.float32)).to(device)
+        arms = {"torch-fp16": (lambda w=dense.half(), v=x.half(): torch.mv(w, v), r * c * 2),
+                "torch-fp32": (lambda w=dense, v=x: torch.mv(w, v), r * c * 4)}
+        del dense
+        for kind in KERNELS:
+            entry, parts = make_weight(kind, r, c, rng)
+            gpu = triton_kernels.gpu_weight(kernel_weight(entry, parts))
+            arms[kind] = (lambda g=gpu, v=x: g.matvec(v), sum(int(p.nbytes) for p in parts.values()))
+        calls = 20 if device == "cuda" else 1
+        timed = {name: measure(fn, calls, rounds) for name, (fn, _) in arms.items()}
+        for name, (_, nbytes) in arms.items():
+            nbytes += (r + c) * 4
+            rows.append({"shape": f"{r}x{c}", "kernel": name, "us": timed[name] * 1e6, "bytes": nbytes,
+                         "gbps": nbytes / timed[name] / 1e9, "speedup_vs_fp16": timed["torch-fp16"] / timed[name]})
+            print(f"{r}x{c} {name:13s} {timed[name] * 1e6:10.1f} us {rows[-1]['gbps']:8.1f} GB/s  "
+                  f"{rows[-1]['speedup_vs_fp16']:5.2f}x fp16", file=sys.stderr)
+        del arms
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return errors, rows
+
+
+def _state_inputs(rng, b, h, dk, dv):
+    q = rng.normal(size=(b, h, dk)).astype(np.float32)
+    q /= np.linalg.norm(q, axis=-1, keepdims=True) * np.sqrt(dk)
+    k = rng.normal(size=(b, h, dk)).astype(np.float32)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.normal(size=(b, h, dv)).astype(np.float32)
+    g = (-rng.random((b, h)) * 0.1).astype(np.float32)
+    beta = rng.random((b, h)).astype(np.float32)
+    return q, k, v, g, beta
+
+
+def _high(rng, h, dk, dv):
+    from accel.runtime.state_cache import row_bits
+
+    frac = (TARGET_BITS - row_bits("int8", dv)) / (row_bits("fp16", dv) - row_bits("int8", dv))
+    high = np.zeros(h * dk, dtype=np.uint8)
+    high[rng.permutation(h * dk)[: int(frac * h * dk)]] = 1
+    return high.reshape(h, dk)
+
+
+def _on_device(state, device):
+    import torch
+
+    return [torch.from_numpy(np.ascontiguousarray(a)).to(device)
+            for a in (state.slot, state.hi.view(np.float16), state.lo, state.lo_scale.view(np.float16))]
+
+
+def _time_state(layers, batch, heads, dk, dv, device, rounds, rng) -> dict:
+    """One decode step of `layers` layers, each with its own state: torch float32 update against Triton DAMP."""
+    import torch
+
+    from accel.kernels.state_update import MixedState, step_torch
+    from accel.kernels.state_update_triton import step_mixed_triton
+
+    high = _high(rng, heads, dk, dv)
+    f32 = [torch.from_numpy((rng.normal(size=(batch, heads, dk, dv)) * 0.05).astype(np.float32)).to(device)
+           for _ in range(layers)]
+    damp = [_on_device(MixedState.from_float(s.cpu().numpy(), high), device) for s in f32]
+    inputs = [tuple(torch.from_numpy(x).to(device) for x in _state_inputs(rng, batch, heads, dk, dv))
+              for _ in range(layers)]
+
+    def run_torch():
+        for i in range(layers):
+            _, f32[i] = step_torch(f32[i], *inputs[i])
+
+    def run_damp():
+        for i in range(layers):
+            step_mixed_triton(*damp[i], *inputs[i])
+
+    measure = timer(device)
+    t_torch, t_damp = measure(run_torch, 1, rounds), measure(run_damp, 1, rounds)
+    row = {"shape": f"{layers} layers x batch {batch}, {heads}x{dk}x{dv}", "torch_f32_ms": t_torch * 1e3,
+           "triton_damp_ms": t_damp * 1e3, "f32_state_bytes": sum(s.numel() * 4 for s in f32),
+           "damp_state_bytes": sum(sum(t.numel() * t.element_size() for t in d[1:]) for d in damp),
+           "speedup_vs_torch_f32": t_torch / t_damp}
+    print(f"state update {row['shape']}: torch f32 {t_torch * 1e3:8.3f} ms  Triton DAMP {t_damp * 1e3:8.3f} ms  "
+          f"{t_torch / t_damp:5.2f}x", file=sys.stderr)
+    return row
+
+
+def state_checks(check, layers, heads, dk, dv, batches, device, rounds, rng) -> tuple[dict, list[dict]]:
+    import torch
+
+    from accel.kernels.state_update import MixedState, reference_step
+    from accel.kernels.state_update_triton import step_mixed_triton
+
+    b, h, cdk, cdv = check
+    state = MixedState.from_float(rng.normal(size=check) * 0.3, _high(rng, h, cdk, cdv))
+    inp = _state_inputs(rng, b, h, cdk, cdv)
+    o_ref, _ = reference_step(state.to_float(), *inp)
+    o = step_mixed_triton(*_on_device(state, device), *(torch.from_numpy(x).to(device) for x in inp))
+    o = o.cpu().numpy()
+    err = float(np.abs(o - o_ref).max() / np.abs(o_ref).max())
+    error = {"shape": "x".join(map(str, check)), "max_error_vs_max": err, "ok": err < 1e-5}
+    print(f"check state update {error['shape']}: max error / max |o| {err:.2e}", file=sys.stderr)
+
+    rows = [_time_state(layers, batch, heads, dk, dv, device, rounds, rng) for batch in batches]
+    return error, rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", help="timed matvec shapes, e.g. 4096x4096,14336x4096 (default: the three large)")
+    parser.add_argument("--rounds", type=int, default=7, help="timed rounds per arm (median)")
+    parser.add_argument("--interpret", action="store_true",
+                        help="tiny shapes on the CPU under TRITON_INTERPRET=1 (checks the script, times nothing)")
+    args = parser.parse_args()
+    if args.interpret:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+    from accel.kernels import triton_kernels
+
+    device = triton_kernels._device()
+    if device is None or (device == "cpu" and not args.interpret):
+        print("bench/gpu.py: no CUDA GPU with Triton here (run with --interpret to check the script on the CPU)")
+        print(json.dumps({"bench": "gpu", "device": None}))
+        return
+    rng = np.random.default_rng(0)
+    if args.interpret:
+        check_shape, shapes, state_check, state = (37, 96), [(48, 96)], (1, 2, 16, 32), (2, 2, 16, 32, (1, 2))
+        rounds = 1
+    else:
+        import torch
+
+        torch.backends.cuda.matmul.allow_tf32 = False
+        check_shape, state_check, state, rounds = (1536, 576), (2, 8, 64, 64), (36, 32, 128, 128, STATE_BATCHES), \
+            args.rounds
+        shapes = ([tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES)
+    started = time.perf_counter()
+    errors, rows = matvec_checks(check_shape, shapes, device, rounds, rng)
+    layers, heads, dk, dv, batches = state
+    state_error, state_rows = state_checks(state_check, layers, heads, dk, dv, batches, device, rounds, rng)
+    name = "cpu (Triton interpreter)" if device == "cpu" else __import__("torch").cuda.get_device_name()
+    big = [r for r in rows if r["shape"] == "4096x4096" and r["kernel"] == "leech-planes"]
+    goals = {"leech_planes_2x_fp16_at_4096": (big[0]["speedup_vs_fp16"] >= 2.0) if big else None,
+             "damp_state_1.5x_torch_f32": all(r["speedup_vs_torch_f32"] >= 1.5 for r in state_rows),
+             "all_errors_ok": all(e["ok"] for e in errors) and state_error["ok"]}
+    print(json.dumps({"bench": "gpu", "device": name, "seconds": time.perf_counter() - started,
+                      "matvec_errors": errors, "rows": rows, "state_error": state_error, "state_rows": state_rows,
+                      "goals": goals}))
+
+
+if __name__ == "__main__":
+    main()
