@@ -5,7 +5,8 @@
    its stored bytes, GB/s and speedup over fp16. Issue #4's goal: leech-planes >= 2x the fp16 matvec at 4096x4096.
 2. The Triton DAMP state update (accel.kernels.state_update_triton): its error against the float64 reference at a
    small shape, then the time of one decode step of 36 Qwen3-Next layers (32 heads of 128x128 each) at batch 1, 4
-   and 16 against transformers' float32 update in torch ops on the same GPU. Issue #6's goal: >= 1.5x.
+   and 16 against transformers' float32 update in torch ops and against the same Triton kernel on a float32 state
+   (`step_f32_triton`, the fused baseline), on the same GPU. Issue #6's goal: >= 1.5x the float32 update.
 
 Weights are random codes in each stored format (bench/gemv.py's `make_weight`); states are random, 22.5% of
 channels float16 and the rest INT8 (9.9 bits a value at d_v 128), as in bench/state_update.py. Times are medians
@@ -137,16 +138,18 @@ def _on_device(state, device):
 
 
 def _time_state(layers, batch, heads, dk, dv, device, rounds, rng) -> dict:
-    """One decode step of `layers` layers, each with its own state: torch float32 update against Triton DAMP."""
+    """One decode step of `layers` layers, each with its own state: the float32 update in torch ops and as a fused
+    Triton kernel, against Triton on DAMP storage."""
     import torch
 
     from accel.kernels.state_update import MixedState, step_torch
-    from accel.kernels.state_update_triton import step_mixed_triton
+    from accel.kernels.state_update_triton import step_f32_triton, step_mixed_triton
 
     high = _high(rng, heads, dk, dv)
     f32 = [torch.from_numpy((rng.normal(size=(batch, heads, dk, dv)) * 0.05).astype(np.float32)).to(device)
            for _ in range(layers)]
     damp = [_on_device(MixedState.from_float(s.cpu().numpy(), high), device) for s in f32]
+    fused = [s.clone() for s in f32]
     inputs = [tuple(torch.from_numpy(x).to(device) for x in _state_inputs(rng, batch, heads, dk, dv))
               for _ in range(layers)]
 
@@ -154,18 +157,24 @@ def _time_state(layers, batch, heads, dk, dv, device, rounds, rng) -> dict:
         for i in range(layers):
             _, f32[i] = step_torch(f32[i], *inputs[i])
 
+    def run_fused():
+        for i in range(layers):
+            step_f32_triton(fused[i], *inputs[i])
+
     def run_damp():
         for i in range(layers):
             step_mixed_triton(*damp[i], *inputs[i])
 
     measure = timer(device)
-    t_torch, t_damp = measure(run_torch, 1, rounds), measure(run_damp, 1, rounds)
+    t_torch, t_fused, t_damp = (measure(fn, 1, rounds) for fn in (run_torch, run_fused, run_damp))
     row = {"shape": f"{layers} layers x batch {batch}, {heads}x{dk}x{dv}", "torch_f32_ms": t_torch * 1e3,
-           "triton_damp_ms": t_damp * 1e3, "f32_state_bytes": sum(s.numel() * 4 for s in f32),
+           "triton_f32_ms": t_fused * 1e3, "triton_damp_ms": t_damp * 1e3,
+           "f32_state_bytes": sum(s.numel() * 4 for s in f32),
            "damp_state_bytes": sum(sum(t.numel() * t.element_size() for t in d[1:]) for d in damp),
-           "speedup_vs_torch_f32": t_torch / t_damp}
-    print(f"state update {row['shape']}: torch f32 {t_torch * 1e3:8.3f} ms  Triton DAMP {t_damp * 1e3:8.3f} ms  "
-          f"{t_torch / t_damp:5.2f}x", file=sys.stderr)
+           "speedup_vs_torch_f32": t_torch / t_damp, "speedup_vs_triton_f32": t_fused / t_damp}
+    print(f"state update {row['shape']}: torch f32 {t_torch * 1e3:8.3f} ms  Triton f32 {t_fused * 1e3:8.3f} ms  "
+          f"Triton DAMP {t_damp * 1e3:8.3f} ms  {t_torch / t_damp:5.2f}x / {t_fused / t_damp:5.2f}x",
+          file=sys.stderr)
     return row
 
 
@@ -224,6 +233,7 @@ def main() -> None:
     big = [r for r in rows if r["shape"] == "4096x4096" and r["kernel"] == "leech-planes"]
     goals = {"leech_planes_2x_fp16_at_4096": (big[0]["speedup_vs_fp16"] >= 2.0) if big else None,
              "damp_state_1.5x_torch_f32": all(r["speedup_vs_torch_f32"] >= 1.5 for r in state_rows),
+             "damp_state_1.5x_triton_f32": all(r["speedup_vs_triton_f32"] >= 1.5 for r in state_rows),
              "all_errors_ok": all(e["ok"] for e in errors) and state_error["ok"]}
     print(json.dumps({"bench": "gpu", "device": name, "seconds": time.perf_counter() - started,
                       "matvec_errors": errors, "rows": rows, "state_error": state_error, "state_rows": state_rows,

@@ -224,3 +224,20 @@ def test_triton_step_matches_reference(kda):  # pragma: no cover - needs Triton
     state.lo[...] = dev[2].cpu().numpy()
     state.lo_scale[...] = dev[3].cpu().numpy().view(np.uint16)
     np.testing.assert_allclose(state.to_float(), s_ref, atol=np.abs(s_ref).max() / 127)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not state_update_triton.available(), reason="needs Triton and a CUDA GPU (or TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("kda", [False, True])
+def test_triton_float32_step_matches_reference(kda):  # pragma: no cover - needs Triton
+    rng = np.random.default_rng(6)
+    b, h, dk, dv = 2, 4, 32, 64
+    s = (rng.normal(size=(b, h, dk, dv)) * 0.3).astype(np.float32)
+    inp = _step_inputs(rng, b, h, dk, dv, kda)
+    o_ref, s_ref = su.reference_step(s, *inp)
+    where = state_update_triton.device()
+    state = torch.from_numpy(s.copy()).to(where)
+    o = state_update_triton.step_f32_triton(state, *(torch.from_numpy(np.asarray(x, np.float32)).to(where)
+                                                     for x in inp))
+    np.testing.assert_allclose(o.cpu().numpy(), o_ref, atol=1e-5 * np.abs(o_ref).max())
+    np.testing.assert_allclose(state.cpu().numpy(), s_ref, atol=1e-5 * np.abs(s_ref).max())

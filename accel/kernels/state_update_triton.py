@@ -80,6 +80,53 @@ if triton is not None:  # pragma: no cover
         tl.store(scale_ptr + lo_row, scale16, mask=~is_hi)
 
 
+if triton is not None:  # pragma: no cover
+
+    @triton.jit
+    def _f32_step_kernel(s_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
+                         DK: tl.constexpr, DV: tl.constexpr, KDA: tl.constexpr):
+        # the same step on a float32 state [B, H, DK, DV], in place: the baseline the DAMP kernel is timed against
+        bh = tl.program_id(0)
+        r = tl.arange(0, DK)
+        j = tl.arange(0, DV)
+        off = bh * DK * DV + r[:, None] * DV + j[None, :]
+        s = tl.load(s_ptr + off)
+        if KDA:
+            s = s * tl.exp(tl.load(g_ptr + bh * DK + r))[:, None]
+        else:
+            s = s * tl.exp(tl.load(g_ptr + bh))
+        k = tl.load(k_ptr + bh * DK + r)
+        q = tl.load(q_ptr + bh * DK + r)
+        v = tl.load(v_ptr + bh * DV + j)
+        beta = tl.load(beta_ptr + bh)
+        mem = tl.sum(s * k[:, None], axis=0)
+        delta = beta * (v - mem)
+        s = s + k[:, None] * delta[None, :]
+        tl.store(o_ptr + bh * DV + j, tl.sum(s * q[:, None], axis=0))
+        tl.store(s_ptr + off, s)
+
+
+def _check_dims(dk: int, dv: int) -> None:
+    if dk & (dk - 1) or dv & (dv - 1):
+        raise ValueError(f"d_k and d_v must be powers of two for the Triton kernel, got {dk} and {dv}")
+
+
+def step_f32_triton(state: Any, q: Any, k: Any, v: Any, g: Any, beta: Any) -> Any:  # pragma: no cover
+    """One step in place on a float32 device state [B, H, d_k, d_v] (a fused kernel, the GPU baseline for
+    `step_mixed_triton`); returns o [B, H, d_v] float32."""
+    import torch
+
+    if not available():
+        raise RuntimeError("the Triton state-update kernel needs Triton and a CUDA GPU (or TRITON_INTERPRET=1)")
+    b, h, dk, dv = state.shape
+    _check_dims(dk, dv)
+    o = torch.empty((b, h, dv), dtype=torch.float32, device=state.device)
+    _f32_step_kernel[(b * h,)](state, q.float().contiguous(), k.float().contiguous(), v.float().contiguous(),
+                               g.float().contiguous(), beta.float().contiguous(), o, DK=dk, DV=dv, KDA=g.dim() == 3,
+                               num_warps=8 if dk * dv >= 8192 else 4)
+    return o
+
+
 def step_mixed_triton(slot: Any, hi: Any, lo: Any, lo_scale: Any, q: Any, k: Any, v: Any, g: Any, beta: Any
                       ) -> Any:  # pragma: no cover - needs a GPU
     """One step in place on device tensors (see `device()`) in MixedState's layout (hi float16 [B, n_hi, d_v], lo int8
@@ -90,8 +137,7 @@ def step_mixed_triton(slot: Any, hi: Any, lo: Any, lo_scale: Any, q: Any, k: Any
         raise RuntimeError("the Triton state-update kernel needs Triton and a CUDA GPU (or TRITON_INTERPRET=1)")
     b, h, dk = q.shape
     dv = v.shape[-1]
-    if dk & (dk - 1) or dv & (dv - 1):
-        raise ValueError(f"d_k and d_v must be powers of two for the Triton kernel, got {dk} and {dv}")
+    _check_dims(dk, dv)
     o = torch.empty((b, h, dv), dtype=torch.float32, device=q.device)
     _damp_step_kernel[(b * h,)](slot, hi, lo, lo_scale, q.float().contiguous(), k.float().contiguous(),
                                 v.float().contiguous(), g.float().contiguous(), beta.float().contiguous(), o,
