@@ -3,7 +3,8 @@
 Same storage and arithmetic as the C kernel (state_update.c): one program per (batch, head) holds the head's
 d_k × d_v state in registers, decoded from float16 rows and int8 rows with float16 scales, decays it (per head for
 GDN, per channel for KDA), applies the delta rule, writes o, and encodes the rows back in place
-(scale = absmax / 127 in float16, codes = round-half-even(x · (1 / scale)) clamped to ±127).
+(scale = absmax / 127 in float16, codes = round-half-even(x · (1 / scale)) clamped to ±127). `step_f32_triton`
+is the same step on a float32 state, the fused baseline that `bench/gpu.py` times the DAMP kernel against.
 `available()` is False without Triton, or with neither a CUDA GPU nor Triton's interpreter (TRITON_INTERPRET=1,
 which runs the kernel on CPU tensors: how it was checked here, where no GPU was available); tests marked `gpu`
 compare it to the float64 reference.
