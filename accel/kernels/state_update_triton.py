@@ -42,6 +42,24 @@ if triton is not None:  # pragma: no cover
         return (x + magic) - magic
 
     @triton.jit
+    def _step(s, bh, r, j, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, DK: tl.constexpr, DV: tl.constexpr,
+              KDA: tl.constexpr):
+        # decay, delta rule and output of head bh's state tile s [DK, DV]: writes o, returns the new state
+        if KDA:
+            s = s * tl.exp(tl.load(g_ptr + bh * DK + r))[:, None]
+        else:
+            s = s * tl.exp(tl.load(g_ptr + bh))
+        k = tl.load(k_ptr + bh * DK + r)
+        q = tl.load(q_ptr + bh * DK + r)
+        v = tl.load(v_ptr + bh * DV + j)
+        beta = tl.load(beta_ptr + bh)
+        mem = tl.sum(s * k[:, None], axis=0)
+        delta = beta * (v - mem)
+        s = s + k[:, None] * delta[None, :]
+        tl.store(o_ptr + bh * DV + j, tl.sum(s * q[:, None], axis=0))
+        return s
+
+    @triton.jit
     def _damp_step_kernel(slot_ptr, hi_ptr, lo_ptr, scale_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
                           H, n_hi, n_lo, DK: tl.constexpr, DV: tl.constexpr, KDA: tl.constexpr):
         bh = tl.program_id(0)
@@ -59,18 +77,7 @@ if triton is not None:  # pragma: no cover
         codes = tl.load(lo_ptr + lo_off, mask=(~is_hi)[:, None], other=0).to(tl.float32)
         sc = tl.load(scale_ptr + lo_row, mask=~is_hi, other=0.0).to(tl.float32)
         s = tl.where(is_hi[:, None], hi_vals, codes * sc[:, None])
-        if KDA:
-            s = s * tl.exp(tl.load(g_ptr + bh * DK + r))[:, None]
-        else:
-            s = s * tl.exp(tl.load(g_ptr + bh))
-        k = tl.load(k_ptr + bh * DK + r)
-        q = tl.load(q_ptr + bh * DK + r)
-        v = tl.load(v_ptr + bh * DV + j)
-        beta = tl.load(beta_ptr + bh)
-        mem = tl.sum(s * k[:, None], axis=0)
-        delta = beta * (v - mem)
-        s = s + k[:, None] * delta[None, :]
-        tl.store(o_ptr + bh * DV + j, tl.sum(s * q[:, None], axis=0))
+        s = _step(s, bh, r, j, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, DK, DV, KDA)
         amax = tl.max(tl.abs(s), axis=1)
         scale16 = tl.maximum(amax / 127.0, 5.960464477539063e-08).to(tl.float16)
         inv = 1.0 / scale16.to(tl.float32)
@@ -79,9 +86,6 @@ if triton is not None:  # pragma: no cover
         tl.store(hi_ptr + hi_off, s.to(tl.float16), mask=is_hi[:, None])
         tl.store(lo_ptr + lo_off, x.to(tl.int8), mask=(~is_hi)[:, None])
         tl.store(scale_ptr + lo_row, scale16, mask=~is_hi)
-
-
-if triton is not None:  # pragma: no cover
 
     @triton.jit
     def _f32_step_kernel(s_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
@@ -92,18 +96,7 @@ if triton is not None:  # pragma: no cover
         j = tl.arange(0, DV)
         off = bh * DK * DV + r[:, None] * DV + j[None, :]
         s = tl.load(s_ptr + off)
-        if KDA:
-            s = s * tl.exp(tl.load(g_ptr + bh * DK + r))[:, None]
-        else:
-            s = s * tl.exp(tl.load(g_ptr + bh))
-        k = tl.load(k_ptr + bh * DK + r)
-        q = tl.load(q_ptr + bh * DK + r)
-        v = tl.load(v_ptr + bh * DV + j)
-        beta = tl.load(beta_ptr + bh)
-        mem = tl.sum(s * k[:, None], axis=0)
-        delta = beta * (v - mem)
-        s = s + k[:, None] * delta[None, :]
-        tl.store(o_ptr + bh * DV + j, tl.sum(s * q[:, None], axis=0))
+        s = _step(s, bh, r, j, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, DK, DV, KDA)
         tl.store(s_ptr + off, s)
 
 
