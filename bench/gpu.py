@@ -1,7 +1,7 @@
 """The GPU checks of issues #4 and #6 in one short run, for a session that is lent a CUDA machine.
 
 1. Triton matvec kernels (accel.kernels.triton_kernels): each layout's relative error against the float64
-   reference (at --check-shape), then at each timed shape the time of torch's fp16 and fp32 `mv` and of every kernel,
+   reference (at 1536x576), then at each timed shape the time of torch's fp16 and fp32 `mv` and of every kernel,
    its stored bytes, GB/s and speedup over fp16. Issue #4's goal: leech-planes >= 2x the fp16 matvec at 4096x4096.
 2. The Triton DAMP state update (accel.kernels.state_update_triton): its error against the float64 reference at a
    small shape, then the time of one decode step of 36 Qwen3-Next layers (32 heads of 128x128 each) at batch 1, 4
@@ -9,7 +9,7 @@
    (`step_f32_triton`, the fused baseline), on the same GPU. Issue #6's goal: >= 1.5x the float32 update.
 
 Weights are random codes in each stored format (bench/gemv.py's `make_weight`); states are random, 22.5% of
-channels float16 and the rest INT8 (9.9 bits a value at d_v 128), as in bench/state_update.py. Times are medians
+channels float16 and the rest INT8 (9.9 bits a value at d_v 128), with bench/state_update.py's inputs. Times are medians
 of CUDA-event timed rounds after a warm-up (Triton compiles on the first call). The last line printed is one
 JSON object.
 
@@ -37,7 +37,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 KERNELS = ["int8", "int4", "int2", "base3", "leech-planes", "leech-onehot"]
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]
 STATE_BATCHES = (1, 4, 16)
-TARGET_BITS = 9.9
 
 
 def timer(device: str):
@@ -110,23 +109,12 @@ def matvec_checks(check_shape, shapes, device, rounds, rng) -> tuple[list[dict],
     return errors, rows
 
 
-def _state_inputs(rng, b, h, dk, dv):
-    q = rng.normal(size=(b, h, dk)).astype(np.float32)
-    q /= np.linalg.norm(q, axis=-1, keepdims=True) * np.sqrt(dk)
-    k = rng.normal(size=(b, h, dk)).astype(np.float32)
-    k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    v = rng.normal(size=(b, h, dv)).astype(np.float32)
-    g = (-rng.random((b, h)) * 0.1).astype(np.float32)
-    beta = rng.random((b, h)).astype(np.float32)
-    return q, k, v, g, beta
-
-
 def _high(rng, h, dk, dv):
-    from accel.runtime.state_cache import row_bits
+    """[h, dk] 0/1: random channels in float16, as many as 9.9 bits a value allow (bench/state_update.py's rule)."""
+    from state_update import high_fraction
 
-    frac = (TARGET_BITS - row_bits("int8", dv)) / (row_bits("fp16", dv) - row_bits("int8", dv))
     high = np.zeros(h * dk, dtype=np.uint8)
-    high[rng.permutation(h * dk)[: int(frac * h * dk)]] = 1
+    high[rng.permutation(h * dk)[: int(high_fraction(dv) * h * dk)]] = 1
     return high.reshape(h, dk)
 
 
@@ -141,6 +129,7 @@ def _time_state(layers, batch, heads, dk, dv, device, rounds, rng) -> dict:
     """One decode step of `layers` layers, each with its own state: the float32 update in torch ops and as a fused
     Triton kernel, against Triton on DAMP storage."""
     import torch
+    from state_update import inputs
 
     from accel.kernels.state_update import MixedState, step_torch
     from accel.kernels.state_update_triton import step_f32_triton, step_mixed_triton
@@ -150,7 +139,7 @@ def _time_state(layers, batch, heads, dk, dv, device, rounds, rng) -> dict:
            for _ in range(layers)]
     damp = [_on_device(MixedState.from_float(s.cpu().numpy(), high), device) for s in f32]
     fused = [s.clone() for s in f32]
-    inputs = [tuple(torch.from_numpy(x).to(device) for x in _state_inputs(rng, batch, heads, dk, dv))
+    inputs = [tuple(torch.from_numpy(x).to(device) for x in inputs(rng, batch, heads, dk, dv, False))
               for _ in range(layers)]
 
     def run_torch():
@@ -180,13 +169,14 @@ def _time_state(layers, batch, heads, dk, dv, device, rounds, rng) -> dict:
 
 def state_checks(check, layers, heads, dk, dv, batches, device, rounds, rng) -> tuple[dict, list[dict]]:
     import torch
+    from state_update import inputs
 
     from accel.kernels.state_update import MixedState, reference_step
     from accel.kernels.state_update_triton import step_mixed_triton
 
     b, h, cdk, cdv = check
     state = MixedState.from_float(rng.normal(size=check) * 0.3, _high(rng, h, cdk, cdv))
-    inp = _state_inputs(rng, b, h, cdk, cdv)
+    inp = inputs(rng, b, h, cdk, cdv, False)
     o_ref, _ = reference_step(state.to_float(), *inp)
     o = step_mixed_triton(*_on_device(state, device), *(torch.from_numpy(x).to(device) for x in inp))
     o = o.cpu().numpy()
@@ -207,6 +197,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.interpret:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+    import torch
+
     from accel.kernels import triton_kernels
 
     device = triton_kernels._device()
@@ -219,17 +211,15 @@ def main() -> None:
         check_shape, shapes, state_check, state = (37, 96), [(48, 96)], (1, 2, 16, 32), (2, 2, 16, 32, (1, 2))
         rounds = 1
     else:
-        import torch
-
-        torch.backends.cuda.matmul.allow_tf32 = False
-        check_shape, state_check, state, rounds = (1536, 576), (2, 8, 64, 64), (36, 32, 128, 128, STATE_BATCHES), \
-            args.rounds
+        torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 arm in full float32
+        check_shape, state_check, rounds = (1536, 576), (2, 8, 64, 64), args.rounds
+        state = (36, 32, 128, 128, STATE_BATCHES)
         shapes = ([tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES)
     started = time.perf_counter()
     errors, rows = matvec_checks(check_shape, shapes, device, rounds, rng)
     layers, heads, dk, dv, batches = state
     state_error, state_rows = state_checks(state_check, layers, heads, dk, dv, batches, device, rounds, rng)
-    name = "cpu (Triton interpreter)" if device == "cpu" else __import__("torch").cuda.get_device_name()
+    name = "cpu (Triton interpreter)" if device == "cpu" else torch.cuda.get_device_name()
     big = [r for r in rows if r["shape"] == "4096x4096" and r["kernel"] == "leech-planes"]
     goals = {"leech_planes_2x_fp16_at_4096": (big[0]["speedup_vs_fp16"] >= 2.0) if big else None,
              "damp_state_1.5x_torch_f32": all(r["speedup_vs_torch_f32"] >= 1.5 for r in state_rows),

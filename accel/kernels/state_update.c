@@ -787,7 +787,7 @@ static inline __attribute__((always_inline)) void head_water_nv(
 }
 #define WATER_NV(dv) REGISTER_NV(dv)
 #else
-#define WATER_NV(dv) 0
+#define WATER_NV(dv) ((void)(dv), 0)
 #endif
 
 int accel_state_water_vector_path(int dv) { return WATER_NV(dv) != 0; }
