@@ -259,7 +259,7 @@ def test_rht_matches_numpy(rng, n, simd):
         assert _rel(data, rht(x, 77, inverse=inverse)) < 1e-6
 
 
-@pytest.mark.parametrize("n", [23, 432, 4104])
+@pytest.mark.parametrize("n", [23, 432, 1536, 2048, 4104])
 def test_rht_torch_matches_numpy(rng, n):
     """The GPU path's transform (torch ops, run here on the CPU) takes the factors as the C kernels do."""
     import torch

@@ -118,33 +118,45 @@ if triton is not None:
         tl.store(t + r, old + alpha * acc, mask=rmask)
 
 
-def rht_torch(x, signs, mat, odd: int, inverse: bool):
-    """The seeded transform on the last axis with torch ops (device-agnostic): forward Q x, or Q^T x when inverse
-    (mat is R for forward, R^T for inverse, as the CPU kernels take them)."""
+def _hadamard(p: int, like):
+    """The normalized p x p Walsh-Hadamard matrix (Sylvester order, p a power of two) in `like`'s dtype and device."""
     import torch
 
+    h = torch.ones((1, 1), dtype=torch.float64)
+    while h.shape[0] < p:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / p**0.5).to(dtype=like.dtype, device=like.device)
+
+
+def hadamard_factors(power: int, like) -> tuple:
+    """(H_a, H_b) with a * b = power, a <= b, a the largest power of two not above sqrt(power): H_power = H_a ⊗ H_b."""
+    a = 1 << ((power.bit_length() - 1) // 2)
+    return _hadamard(a, like), _hadamard(power // a, like)
+
+
+def rht_torch(x, signs, mat, odd: int, inverse: bool, hadamard=None):
+    """The seeded transform on the last axis with torch ops (device-agnostic): forward Q x, or Q^T x when inverse
+    (mat is R for forward, R^T for inverse, as the CPU kernels take them).
+
+    The Walsh-Hadamard factor H_P (P = n / odd) is applied as H_a ⊗ H_b with a·b = P, a ≤ b (Sylvester's H_P is
+    that Kronecker product): two small matrix products on the vector viewed as [odd, a, b], so the whole transform
+    is four device operations (signs, two Hadamard factors, R) whatever P is. `hadamard` = (H_a, H_b) if the caller
+    keeps them (GpuWeight does); else they are built here."""
     n = x.shape[-1]
     power = n // odd
+    ha, hb = hadamard if hadamard is not None else hadamard_factors(power, x)
+    a, b = ha.shape[0], hb.shape[0]
     lead = x.shape[:-1]
 
-    def fwht(y):
-        h = 1
-        y = y.reshape(-1, power)
-        while h < power:
-            y = y.reshape(-1, power // (2 * h), 2, h)
-            y = torch.stack([y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]], dim=2)
-            h *= 2
-        return y.reshape(-1, power) / power**0.5
+    def fwht(y):  # [N, odd, P] -> H_P applied to each length-P piece
+        return (ha @ y.reshape(-1, odd, a, b) @ hb).reshape(-1, odd, power)
 
     y = x.reshape(-1, n)
     if not inverse:
-        y = (y * signs).reshape(-1, odd, power)
-        y = fwht(y).reshape(-1, odd, power)
-        y = torch.einsum("ij,bjk->bik", mat, y)
-        return y.reshape(*lead, n)
-    y = torch.einsum("ij,bjk->bik", mat, y.reshape(-1, odd, power))
-    y = fwht(y).reshape(-1, n) * signs
-    return y.reshape(*lead, n)
+        y = fwht((y * signs).reshape(-1, odd, power))
+        return (mat @ y).reshape(*lead, n)
+    y = fwht(mat @ y.reshape(-1, odd, power))
+    return (y.reshape(-1, n) * signs).reshape(*lead, n)
 
 
 class GpuWeight:
@@ -181,6 +193,8 @@ class GpuWeight:
             self.streams = [dev(s) for s in weight.streams]
             self.scale = dev(weight.scale.view(np.float16).astype(np.float32))
             self.factors = {k: (dev(s), dev(m), odd) for k, (s, m, odd) in weight.factors.items()}
+            self.hadamard = {side: hadamard_factors(signs.numel() // odd, signs)
+                             for side, (signs, _, odd) in self.factors.items()}
         else:
             raise TypeError(f"no GPU kernel for {type(weight).__name__}")
 
@@ -201,7 +215,7 @@ class GpuWeight:
         z = torch.zeros(w.cols, dtype=torch.float32, device=x.device)
         z[:cols] = x
         signs, mat, odd = self.factors["in"]
-        z = rht_torch(z, signs, mat, odd, inverse=False).contiguous()
+        z = rht_torch(z, signs, mat, odd, inverse=False, hadamard=self.hadamard["in"]).contiguous()
         t = torch.zeros(rows, dtype=torch.float32, device=x.device)
         nblk = w.cols // 24
         plane = 3 * rows * nblk
@@ -212,7 +226,7 @@ class GpuWeight:
                                 BLOCK_R=self.BLOCK_R, BLOCK_C=self.BLOCK_C)
         t *= self.scale
         signs, mat, odd = self.factors["out"]
-        return rht_torch(t, signs, mat, odd, inverse=True)
+        return rht_torch(t, signs, mat, odd, inverse=True, hadamard=self.hadamard["out"])
 
 
 def gpu_weight(weight) -> GpuWeight:
