@@ -10,7 +10,9 @@ ball indices of shells 2..13 converted to the serving layouts); correctness is t
 
 Times are the best round (see `_time`). Every call in a timed loop reads a different copy of the weight, with enough copies that they fill at least
 --footprint MiB, so weights come from memory and not from a cache that a 4-MiB-per-core CPU would not have for a
-real model. Usage: python bench/gemv.py [--quick] [--json] [--threads N]
+real model. After the table it reads issue #4's CPU goals off the same run, per shape from 4096x4096 up (which kernels
+are slower than fp32 or under 60% of their byte bound; the Leech planes kernel's time per stored weight byte over
+int4's), also in the JSON as `goals`. Usage: python bench/gemv.py [--quick] [--json] [--threads N]
 """
 
 from __future__ import annotations
@@ -150,6 +152,37 @@ def run(shapes, kernels, threads: int, min_seconds: float, footprint: int, seed:
     return {"copy_gbps": bandwidth, "threads": threads, "rows": rows_out}
 
 
+def goals(result: dict) -> dict:
+    """Issue #4's CPU goals read off one run, per shape from 4096x4096 up: every accel kernel faster than torch's
+    fp32 matvec and at >= 60% of its byte bound; the Leech planes kernel's time per stored weight byte (the weight's
+    own bytes, plus x and y) within 1.5x of int4's."""
+    out = {}
+    for shape in dict.fromkeys(r["shape"] for r in result["rows"]):
+        rows, cols = (int(n) for n in shape.split("x"))
+        if rows * cols < 4096 * 4096:
+            continue
+        arms = {r["kernel"]: r for r in result["rows"] if r["shape"] == shape}
+        ours = {k: r for k, r in arms.items() if not k.startswith("torch-")}
+        per_byte = {k: r["us"] / r["stored_bytes"] for k, r in ours.items()}
+        ratio = (per_byte["leech-planes"] / per_byte["int4"]) if {"leech-planes", "int4"} <= per_byte.keys() else None
+        out[shape] = {"faster_than_fp32": sorted(k for k, r in ours.items() if r["speedup_vs_fp32"] > 1),
+                      "slower_than_fp32": sorted(k for k, r in ours.items() if r["speedup_vs_fp32"] <= 1),
+                      "below_60pct_of_byte_bound": sorted(k for k, r in ours.items()
+                                                          if r["byte_bound_fraction"] < 0.6),
+                      "planes_vs_int4_time_per_weight_byte": ratio}
+    return out
+
+
+def goals_text(checks: dict) -> str:
+    lines = []
+    for shape, c in checks.items():
+        ratio = c["planes_vs_int4_time_per_weight_byte"]
+        lines.append(f"{shape}: slower than fp32: {', '.join(c['slower_than_fp32']) or 'none'}; under 60% of the byte "
+                     f"bound: {', '.join(c['below_60pct_of_byte_bound']) or 'none'}; leech planes / int4 time per "
+                     f"weight byte: {'n/a' if ratio is None else f'{ratio:.2f}x'}")
+    return "\n".join(lines)
+
+
 def table(result: dict) -> str:
     lines = [f"large-copy bandwidth {result['copy_gbps']:.1f} GB/s ({result['threads']} threads); µs: best round", "",
              "| shape | kernel | µs | bytes | GB/s | × fp32 | of byte bound |", "|---|---|---|---|---|---|---|"]
@@ -182,7 +215,10 @@ def main() -> None:
             ap.error(f"--shapes: expected ROWSxCOLS[,ROWSxCOLS...], got {args.shapes!r}")
     result = run(shapes, kernels, args.threads, 0.2 if args.quick else 1.0, args.footprint * 2**20)
     result["load_average"] = os.getloadavg()
+    result["goals"] = goals(result)
     print(table(result))
+    if result["goals"]:
+        print("\n" + goals_text(result["goals"]))
     if args.json:
         print(json.dumps(result))
 
