@@ -14,9 +14,10 @@ of CUDA-event timed rounds after a warm-up (Triton compiles on the first call), 
 Python as a caller would (`us`, `*_ms`), and replayed as a CUDA graph (`us_graph`, `graph_ms`), which leaves out
 the per-launch cost of Python and Triton's launcher (several microseconds a kernel, more than a 4096x4096 fp16
 matvec's whole time on a large GPU; the Leech path launches a handful of kernels, the state update one per layer).
-Goals are reported both ways. The last line printed is one JSON object.
+Goals are reported both ways. A kernel that fails to compile or run is reported (`error`, its goal null) and the
+rest of the run goes on. The last line printed is one JSON object.
 
-    python bench/gpu.py [--shapes 4096x4096,...] [--rounds N]
+    python bench/gpu.py [--shapes 4096x4096,...] [--rounds N] [--parts matvec,state]
     python bench/gpu.py --interpret      # tiny shapes on the CPU under Triton's interpreter: checks this script
 
 Without Triton or a CUDA GPU (and without --interpret) it says so and exits 0: CI never has a GPU.
@@ -108,6 +109,21 @@ def _ratio(num, den):
     return None if num is None or den is None else num / den
 
 
+def _x(ratio) -> str:
+    return "  n/a" if ratio is None else f"{ratio:5.2f}x"
+
+
+def attempt(label: str, fn):
+    """(fn(), None), or (None, "Type: message") with the error printed: one kernel that fails to compile or run on a
+    real GPU must not cost the rest of a short device session."""
+    try:
+        return fn(), None
+    except Exception as exc:  # noqa: BLE001 - reported in the output, the run goes on
+        error = f"{type(exc).__name__}: {exc}"
+        print(f"{label} failed: {error}", file=sys.stderr)
+        return None, error
+
+
 def matvec_checks(check_shape, shapes, device, rounds, rng) -> tuple[list[dict], list[dict]]:
     import torch
     from gemv import make_weight
@@ -117,16 +133,19 @@ def matvec_checks(check_shape, shapes, device, rounds, rng) -> tuple[list[dict],
 
     measure = timer(device)
     errors = []
+    shape = f"{check_shape[0]}x{check_shape[1]}"
     for kind in KERNELS:
         entry, parts = make_weight(kind, *check_shape, rng)
-        gpu = triton_kernels.gpu_weight(kernel_weight(entry, parts))
         x = rng.standard_normal(check_shape[1]).astype(np.float32)
-        y = gpu.matvec(torch.from_numpy(x).to(device)).cpu().double().numpy()
+        y, error = attempt(f"check {kind}", lambda e=entry, p=parts, x=x: triton_kernels.gpu_weight(
+            kernel_weight(e, p)).matvec(torch.from_numpy(x).to(device)).cpu().double().numpy())
+        if error is not None:
+            errors.append({"shape": shape, "kernel": kind, "rel_error": None, "ok": False, "error": error})
+            continue
         ref = reference_matvec(entry, parts, x)
         err = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
-        errors.append({"shape": f"{check_shape[0]}x{check_shape[1]}", "kernel": kind, "rel_error": err,
-                       "ok": err < 1e-5})
-        print(f"check {kind:13s} {check_shape[0]}x{check_shape[1]}: relative error {err:.2e}", file=sys.stderr)
+        errors.append({"shape": shape, "kernel": kind, "rel_error": err, "ok": err < 1e-5})
+        print(f"check {kind:13s} {shape}: relative error {err:.2e}", file=sys.stderr)
     rows = []
     for r, c in shapes:
         x = torch.from_numpy(rng.standard_normal(c).astype(np.float32)).to(device)
@@ -136,21 +155,32 @@ def matvec_checks(check_shape, shapes, device, rounds, rng) -> tuple[list[dict],
         del dense
         for kind in KERNELS:
             entry, parts = make_weight(kind, r, c, rng)
-            gpu = triton_kernels.gpu_weight(kernel_weight(entry, parts))
-            arms[kind] = (lambda g=gpu, v=x: g.matvec(v), sum(int(p.nbytes) for p in parts.values()))
+            gpu, error = attempt(f"{r}x{c} {kind}", lambda e=entry, p=parts: triton_kernels.gpu_weight(
+                kernel_weight(e, p)))
+            if gpu is None:
+                rows.append({"shape": f"{r}x{c}", "kernel": kind, "error": error})
+            else:
+                arms[kind] = (lambda g=gpu, v=x: g.matvec(v), sum(int(p.nbytes) for p in parts.values()))
         calls = 20 if device == "cuda" else 1
-        timed = {name: measure(fn, calls, rounds) for name, (fn, _) in arms.items()}
+        timed = {}
+        for name, (fn, _) in list(arms.items()):
+            timed[name], error = attempt(f"{r}x{c} {name}", lambda fn=fn, calls=calls: measure(fn, calls, rounds))
+            if error is not None:
+                rows.append({"shape": f"{r}x{c}", "kernel": name, "error": error})
+                del arms[name], timed[name]
         graph = graph_times({name: fn for name, (fn, _) in arms.items()}, calls, rounds, device)
         for name, (_, nbytes) in arms.items():
             nbytes += (r + c) * 4
             g = graph[name]
-            rows.append({"shape": f"{r}x{c}", "kernel": name, "us": timed[name] * 1e6, "bytes": nbytes,
-                         "gbps": nbytes / timed[name] / 1e9, "speedup_vs_fp16": timed["torch-fp16"] / timed[name],
-                         "us_graph": None if g is None else g * 1e6,
-                         "speedup_vs_fp16_graph": _ratio(graph["torch-fp16"], g)})
-            in_graph = "" if g is None else f"  graph {g * 1e6:8.1f} us {rows[-1]['speedup_vs_fp16_graph']:5.2f}x fp16"
-            print(f"{r}x{c} {name:13s} {timed[name] * 1e6:10.1f} us {rows[-1]['gbps']:8.1f} GB/s  "
-                  f"{rows[-1]['speedup_vs_fp16']:5.2f}x fp16{in_graph}", file=sys.stderr)
+            row = {"shape": f"{r}x{c}", "kernel": name, "us": timed[name] * 1e6, "bytes": nbytes,
+                   "gbps": nbytes / timed[name] / 1e9, "speedup_vs_fp16": _ratio(timed.get("torch-fp16"), timed[name]),
+                   "us_graph": None if g is None else g * 1e6,
+                   "speedup_vs_fp16_graph": _ratio(graph.get("torch-fp16"), g)}
+            rows.append(row)
+            print(f"{r}x{c} {name:13s} {timed[name] * 1e6:10.1f} us {row['gbps']:8.1f} GB/s  "
+                  f"{_x(row['speedup_vs_fp16'])} fp16"
+                  + ("" if g is None else f"  graph {g * 1e6:8.1f} us {_x(row['speedup_vs_fp16_graph'])} fp16"),
+                  file=sys.stderr)
         del arms
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -203,21 +233,34 @@ def _time_state(layers, batch, heads, dk, dv, device, rounds, rng) -> dict:
             step_mixed_triton(*damp[i], *inputs[i])
 
     measure = timer(device)
-    t_torch, t_fused, t_damp = (measure(fn, 1, rounds) for fn in (run_torch, run_fused, run_damp))
-    g = graph_times({"torch": run_torch, "fused": run_fused, "damp": run_damp}, 1, rounds, device)
-    row = {"shape": f"{layers} layers x batch {batch}, {heads}x{dk}x{dv}", "torch_f32_ms": t_torch * 1e3,
-           "triton_f32_ms": t_fused * 1e3, "triton_damp_ms": t_damp * 1e3,
+    arms = {"torch": run_torch, "fused": run_fused, "damp": run_damp}
+    t, errors = {}, {}
+    for name, fn in list(arms.items()):
+        t[name], error = attempt(f"state update batch {batch} {name}", lambda fn=fn: measure(fn, 1, rounds))
+        if error is not None:
+            errors[name] = error
+            del arms[name]
+    g = graph_times(arms, 1, rounds, device)
+    ms = {k: None if v is None else v * 1e3 for k, v in t.items()}
+    row = {"shape": f"{layers} layers x batch {batch}, {heads}x{dk}x{dv}", "torch_f32_ms": ms["torch"],
+           "triton_f32_ms": ms["fused"], "triton_damp_ms": ms["damp"],
            "f32_state_bytes": sum(s.numel() * 4 for s in f32),
-           "damp_state_bytes": sum(sum(t.numel() * t.element_size() for t in d[1:]) for d in damp),
-           "speedup_vs_torch_f32": t_torch / t_damp, "speedup_vs_triton_f32": t_fused / t_damp,
-           "graph_ms": {k: None if t is None else t * 1e3 for k, t in g.items()},
-           "speedup_vs_torch_f32_graph": _ratio(g["torch"], g["damp"]),
-           "speedup_vs_triton_f32_graph": _ratio(g["fused"], g["damp"])}
-    print(f"state update {row['shape']}: torch f32 {t_torch * 1e3:8.3f} ms  Triton f32 {t_fused * 1e3:8.3f} ms  "
-          f"Triton DAMP {t_damp * 1e3:8.3f} ms  {t_torch / t_damp:5.2f}x / {t_fused / t_damp:5.2f}x", file=sys.stderr)
-    if g["damp"] is not None:
-        print(f"  as CUDA graphs: {row['speedup_vs_torch_f32_graph'] or float('nan'):5.2f}x / "
-              f"{row['speedup_vs_triton_f32_graph'] or float('nan'):5.2f}x", file=sys.stderr)
+           "damp_state_bytes": sum(sum(x.numel() * x.element_size() for x in d[1:]) for d in damp),
+           "speedup_vs_torch_f32": _ratio(t["torch"], t["damp"]),
+           "speedup_vs_triton_f32": _ratio(t["fused"], t["damp"]),
+           "graph_ms": {k: None if v is None else v * 1e3 for k, v in g.items()},
+           "speedup_vs_torch_f32_graph": _ratio(g.get("torch"), g.get("damp")),
+           "speedup_vs_triton_f32_graph": _ratio(g.get("fused"), g.get("damp")), "errors": errors}
+
+    def fmt(v):
+        return "     n/a" if v is None else f"{v:8.3f}"
+
+    print(f"state update {row['shape']}: torch f32 {fmt(ms['torch'])} ms  Triton f32 {fmt(ms['fused'])} ms  "
+          f"Triton DAMP {fmt(ms['damp'])} ms  {_x(row['speedup_vs_torch_f32'])} / {_x(row['speedup_vs_triton_f32'])}",
+          file=sys.stderr)
+    if g.get("damp") is not None:
+        print(f"  as CUDA graphs: {_x(row['speedup_vs_torch_f32_graph'])} / {_x(row['speedup_vs_triton_f32_graph'])}",
+              file=sys.stderr)
     return row
 
 
@@ -232,13 +275,20 @@ def state_checks(check, layers, heads, dk, dv, batches, device, rounds, rng) -> 
     state = MixedState.from_float(rng.normal(size=check) * 0.3, _high(rng, h, cdk, cdv))
     inp = inputs(rng, b, h, cdk, cdv, False)
     o_ref, _ = reference_step(state.to_float(), *inp)
-    o = step_mixed_triton(*_on_device(state, device), *(torch.from_numpy(x).to(device) for x in inp))
-    o = o.cpu().numpy()
-    err = float(np.abs(o - o_ref).max() / np.abs(o_ref).max())
-    error = {"shape": "x".join(map(str, check)), "max_error_vs_max": err, "ok": err < 1e-5}
-    print(f"check state update {error['shape']}: max error / max |o| {err:.2e}", file=sys.stderr)
-
-    rows = [_time_state(layers, batch, heads, dk, dv, device, rounds, rng) for batch in batches]
+    o, failed = attempt("check state update", lambda: step_mixed_triton(
+        *_on_device(state, device), *(torch.from_numpy(x).to(device) for x in inp)).cpu().numpy())
+    shape = "x".join(map(str, check))
+    if failed is not None:
+        error = {"shape": shape, "max_error_vs_max": None, "ok": False, "error": failed}
+    else:
+        err = float(np.abs(o - o_ref).max() / np.abs(o_ref).max())
+        error = {"shape": shape, "max_error_vs_max": err, "ok": err < 1e-5}
+        print(f"check state update {shape}: max error / max |o| {err:.2e}", file=sys.stderr)
+    rows = []
+    for batch in batches:
+        row, failed = attempt(f"state update batch {batch}",
+                              lambda batch=batch: _time_state(layers, batch, heads, dk, dv, device, rounds, rng))
+        rows.append(row if failed is None else {"shape": f"{layers} layers x batch {batch}", "error": failed})
     return error, rows
 
 
@@ -246,6 +296,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", help="timed matvec shapes, e.g. 4096x4096,14336x4096 (default: the three large)")
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds per arm (median)")
+    parser.add_argument("--parts", default="matvec,state", help="which sections to run: matvec, state or both")
     parser.add_argument("--interpret", action="store_true",
                         help="tiny shapes on the CPU under TRITON_INTERPRET=1 (checks the script, times nothing)")
     args = parser.parse_args()
@@ -270,21 +321,29 @@ def main() -> None:
         state = (36, 32, 128, 128, STATE_BATCHES)
         shapes = ([tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES)
     started = time.perf_counter()
-    errors, rows = matvec_checks(check_shape, shapes, device, rounds, rng)
-    layers, heads, dk, dv, batches = state
-    state_error, state_rows = state_checks(state_check, layers, heads, dk, dv, batches, device, rounds, rng)
+    parts = set(args.parts.split(","))
+    errors, rows, state_error, state_rows = [], [], {"ok": True, "skipped": True}, []
+    if "matvec" in parts:
+        found, failed = attempt("matvec section", lambda: matvec_checks(check_shape, shapes, device, rounds, rng))
+        errors, rows = found if failed is None else ([{"kernel": "all", "ok": False, "error": failed}], [])
+    if "state" in parts:
+        layers, heads, dk, dv, batches = state
+        found, failed = attempt("state section", lambda: state_checks(state_check, layers, heads, dk, dv, batches,
+                                                                      device, rounds, rng))
+        state_error, state_rows = found if failed is None else ({"ok": False, "error": failed}, [])
     name = "cpu (Triton interpreter)" if device == "cpu" else torch.cuda.get_device_name()
     big = [r for r in rows if r["shape"] == "4096x4096" and r["kernel"] == "leech-planes"]
 
-    def at_least(ratios, goal):
+    def at_least(found, key, goal):
+        """True / False when every row has the ratio; None when a row is missing it (failed, or not measured)."""
+        ratios = [r.get(key) for r in found]
         return None if not ratios or any(x is None for x in ratios) else all(x >= goal for x in ratios)
 
-    goals = {"leech_planes_2x_fp16_at_4096": at_least([r["speedup_vs_fp16"] for r in big], 2.0),
-             "leech_planes_2x_fp16_at_4096_graph": at_least([r["speedup_vs_fp16_graph"] for r in big], 2.0),
-             "damp_state_1.5x_torch_f32": at_least([r["speedup_vs_torch_f32"] for r in state_rows], 1.5),
-             "damp_state_1.5x_triton_f32": at_least([r["speedup_vs_triton_f32"] for r in state_rows], 1.5),
-             "damp_state_1.5x_triton_f32_graph": at_least([r["speedup_vs_triton_f32_graph"] for r in state_rows],
-                                                          1.5),
+    goals = {"leech_planes_2x_fp16_at_4096": at_least(big, "speedup_vs_fp16", 2.0),
+             "leech_planes_2x_fp16_at_4096_graph": at_least(big, "speedup_vs_fp16_graph", 2.0),
+             "damp_state_1.5x_torch_f32": at_least(state_rows, "speedup_vs_torch_f32", 1.5),
+             "damp_state_1.5x_triton_f32": at_least(state_rows, "speedup_vs_triton_f32", 1.5),
+             "damp_state_1.5x_triton_f32_graph": at_least(state_rows, "speedup_vs_triton_f32_graph", 1.5),
              "all_errors_ok": all(e["ok"] for e in errors) and state_error["ok"]}
     print(json.dumps({"bench": "gpu", "device": name, "seconds": time.perf_counter() - started,
                       "matvec_errors": errors, "rows": rows, "state_error": state_error, "state_rows": state_rows,

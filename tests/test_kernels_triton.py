@@ -60,3 +60,44 @@ def test_gpu_bench_script_runs_under_the_triton_interpreter():
                                                           "leech-onehot"}
     assert {r["kernel"] for r in out["rows"]} >= {"torch-fp16", "leech-planes"}
     assert len(out["state_rows"]) == 2 and out["state_error"]["ok"]
+
+
+def test_gpu_bench_reports_a_failing_kernel_and_goes_on(monkeypatch):
+    """On a lent GPU a kernel that fails to compile must cost only its own rows: the others are still checked and
+    timed, and the failure is in the output."""
+    import importlib.util
+    from pathlib import Path
+
+    import accel.kernels.state_update_triton as state_triton
+
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    monkeypatch.syspath_prepend(str(bench))
+    spec = importlib.util.spec_from_file_location("gpu_bench", bench / "gpu.py")
+    gpu_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_bench)
+    real = triton_kernels.gpu_weight
+
+    def flaky(weight):
+        if type(weight).__name__ == "LeechWeight":
+            raise RuntimeError("simulated compile failure")
+        return real(weight)
+
+    monkeypatch.setattr(triton_kernels, "gpu_weight", flaky)
+    rng = np.random.default_rng(0)
+    errors, rows = gpu_bench.matvec_checks((37, 96), [(48, 96)], triton_kernels._device(), 1, rng)
+    failed = {e["kernel"] for e in errors if not e["ok"]}
+    assert failed == {"leech-planes", "leech-onehot"}
+    assert all("simulated compile failure" in e["error"] for e in errors if not e["ok"])
+    timed = {r["kernel"] for r in rows if "us" in r}
+    assert {"torch-fp16", "int8", "int4", "int2", "base3"} <= timed and not timed & failed
+    assert {r["kernel"] for r in rows if "error" in r} == failed
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated launch failure")
+
+    monkeypatch.setattr(state_triton, "step_mixed_triton", broken)
+    error, state_rows = gpu_bench.state_checks((1, 2, 16, 32), 2, 2, 16, 32, (1,), triton_kernels._device(), 1, rng)
+    assert not error["ok"] and "simulated launch failure" in error["error"]
+    (row,) = state_rows
+    assert row["triton_damp_ms"] is None and row["speedup_vs_triton_f32"] is None
+    assert row["torch_f32_ms"] is not None and "damp" in row["errors"]
