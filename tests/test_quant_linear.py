@@ -42,6 +42,21 @@ def test_quant_linear_matches_reference(rng, codec, params, lead):
     assert err < 1e-5
 
 
+def test_one_row_in_every_form_gives_the_fast_paths_result(rng):
+    """A float32 contiguous row goes straight to the kernel; a strided, bfloat16 or grad-tracking row takes the
+    converting path: the same numbers (bf16 rounded once on the way out), and never a graph for autograd."""
+    layer, _, _ = _layer(rng, "leech", (45, 72), shells=(13,), layout="planes", seed_in=3, seed_out=4)
+    x = torch.from_numpy(rng.standard_normal((1, 1, 72)).astype(np.float32))
+    fast = layer(x)
+    strided = torch.zeros(1, 1, 144)
+    strided[..., ::2] = x
+    assert torch.equal(layer(strided[..., ::2]), fast)
+    half = layer(x.bfloat16())
+    assert half.dtype == torch.bfloat16 and torch.equal(half, layer(x.bfloat16().float()).bfloat16())
+    tracked = layer(x.clone().requires_grad_(True))
+    assert torch.equal(tracked, fast) and not tracked.requires_grad
+
+
 def test_quant_linear_rejects_wrong_width(rng):
     layer, _, _ = _layer(rng, "affine", (8, 16), levels=16, group=8)
     with pytest.raises(ValueError, match="16 input features"):

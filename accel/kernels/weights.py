@@ -11,6 +11,7 @@ index stream is converted to planes once, at load: index -> point arithmetic, no
 from __future__ import annotations
 
 import ctypes
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -197,26 +198,23 @@ class AffineWeight(KernelWeight):
                 int(self.symmetric), int(self.scale_f32), ptr(self.scale),
                 None if self.offset is None else ptr(self.offset), self.shape[0], self.shape[1], self.group)
 
-    def matvec_ptr(self, x, out):
+    @cached_property
+    def _kernels(self) -> tuple:
+        """(matvec, decode_rows, the leading arguments both take), fixed once the weight is built: a decode step
+        calls matvec for every linear, so the addresses are not looked up again on each call."""
         if self.tiled == "base3":
-            _check(self._lib.accel_base3_tiled_matvec(*self._tiled_args(), x, out, _THREADS[0]),
-                   "accel_base3_tiled_matvec")
-        elif self.tiled:
-            _check(self._lib.accel_affine_tiled_matvec(*self._tiled_args(), x, out, _THREADS[0]),
-                   "accel_affine_tiled_matvec")
-        else:
-            _check(self._lib.accel_affine_matvec(*self._common(), x, out, _THREADS[0]), "accel_affine_matvec")
+            return self._lib.accel_base3_tiled_matvec, self._lib.accel_base3_tiled_decode_rows, self._tiled_args()
+        if self.tiled:
+            return self._lib.accel_affine_tiled_matvec, self._lib.accel_affine_tiled_decode_rows, self._tiled_args()
+        return self._lib.accel_affine_matvec, self._lib.accel_affine_decode_rows, self._common()
+
+    def matvec_ptr(self, x, out):
+        matvec, _, args = self._kernels
+        _check(matvec(*args, x, out, _THREADS[0]), matvec.__name__)
 
     def decode_rows_ptr(self, r0, r1, out):
-        if self.tiled == "base3":
-            _check(self._lib.accel_base3_tiled_decode_rows(*self._tiled_args(), r0, r1, out, _THREADS[0]),
-                   "accel_base3_tiled_decode_rows")
-        elif self.tiled:
-            _check(self._lib.accel_affine_tiled_decode_rows(*self._tiled_args(), r0, r1, out, _THREADS[0]),
-                   "accel_affine_tiled_decode_rows")
-        else:
-            _check(self._lib.accel_affine_decode_rows(*self._common(), r0, r1, out, _THREADS[0]),
-                   "accel_affine_decode_rows")
+        _, decode_rows, args = self._kernels
+        _check(decode_rows(*args, r0, r1, out, _THREADS[0]), decode_rows.__name__)
 
 
 class LeechWeight(KernelWeight):
@@ -281,19 +279,24 @@ class LeechWeight(KernelWeight):
         self.call_bytes = self.nbytes + sum(signs.nbytes + (mat.nbytes if odd > 1 else 0)
                                             for signs, mat, odd in self.factors.values())
 
+    @cached_property
     def _head(self) -> tuple:
         return (self.nstages, self._stream_ptrs, self._stream_bytes, self._kinds, self._params, self._alphas,
                 ptr(self.scale), self.shape[0], self.cols)
 
-    def matvec_ptr(self, x, out):
+    @cached_property
+    def _matvec_args(self) -> tuple:
+        """accel_leech_matvec's arguments before x and out, fixed once the weight is built (see AffineWeight)."""
         (si, ri, mi), (so, ro, mo) = self.factors["in"], self.factors["out"]
-        head = self._head()
-        _check(self._lib.accel_leech_matvec(*head[:7], self._tiled_ptrs, *head[7:], self.shape[1], ptr(si), ptr(ri),
-                                            mi, ptr(so), ptr(ro), mo, x, out, _THREADS[0]), "accel_leech_matvec")
+        head = self._head
+        return (*head[:7], self._tiled_ptrs, *head[7:], self.shape[1], ptr(si), ptr(ri), mi, ptr(so), ptr(ro), mo)
+
+    def matvec_ptr(self, x, out):
+        _check(self._lib.accel_leech_matvec(*self._matvec_args, x, out, _THREADS[0]), "accel_leech_matvec")
 
     def decode_rows_ptr(self, r0, r1, out):
         """Rows of the transformed weight T (scale * sum of stage points), `cols` wide: W = U^T T V."""
-        _check(self._lib.accel_leech_decode_rows(*self._head(), r0, r1, out, _THREADS[0]), "accel_leech_decode_rows")
+        _check(self._lib.accel_leech_decode_rows(*self._head, r0, r1, out, _THREADS[0]), "accel_leech_decode_rows")
 
     def rht_ptr(self, data: int, nvec: int, side: str) -> None:
         """In place on nvec contiguous vectors: V x (side "in") or U^T t (side "out")."""
