@@ -30,10 +30,12 @@ def _layer(rng, codec, shape, **params):
     ("leech", {"shells": (13, 3), "layout": "onehot", "seed_in": 3, "seed_out": 4}),
 ], ids=["int4", "base3", "leech2-planes", "leech3-onehot"])
 @pytest.mark.parametrize("lead", [(1,), (1, 1), (7,), (2, 5)], ids=["vec", "1x1", "7", "2x5"])
-def test_quant_linear_matches_reference(rng, codec, params, lead):
+@pytest.mark.parametrize("path", ["matvec", "tiles"])
+def test_quant_linear_matches_reference(rng, codec, params, lead, path):
     shape = (45, 70)
     layer, w, b = _layer(rng, codec, shape, **params)
     layer.tile_rows = 16  # several tiles, the last one short
+    layer.matvec_rows = 0 if path == "tiles" else 32  # rows through the decoded tiles, or one fused matvec each
     x = torch.from_numpy(rng.standard_normal((*lead, shape[1])).astype(np.float32))
     y = layer(x)
     assert y.shape == (*lead, shape[0]) and y.dtype == torch.float32

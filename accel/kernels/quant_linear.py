@@ -1,7 +1,7 @@
 """QuantLinear: a drop-in torch.nn.Linear (inference only) that keeps its weight in accel's stored form.
 
-One input row (batch-1 decoding) runs the fused decode + matvec kernel. Several rows (prefill, evaluation
-windows) decode the weight one tile of rows at a time into a reused float32 buffer and multiply the tile with
+Up to MATVEC_ROWS input rows (a decode step, a short prefill) run the fused decode + matvec kernel, once per row.
+More rows (a long prefill, evaluation windows) decode the weight one tile of rows at a time into a reused float32 buffer and multiply the tile with
 torch (so the dense matrix never exists whole); for Leech weights the tiles are of the transformed weight T and
 the inputs and outputs go through the seeded transforms: Y = U^T (T (V X)).
 """
@@ -13,6 +13,10 @@ import torch
 from accel.kernels.weights import KernelWeight, LeechWeight, ptr
 
 TILE_FLOATS = 1 << 18  # a decoded tile holds at most this many floats (1 MiB)
+# Up to this many input rows run the fused matvec once per row; more rows decode tiles and multiply them with torch.
+# Measured on SmolLM2's shapes and 4096x4096 (2 threads): one matvec per row was faster at every shape up to 32 rows
+# (at 8 rows 4x-10x, at 32 rows 1.2x-3.2x), the tiles at 128 rows except 4096x4096 (docs/kernels.md, QuantLinear).
+MATVEC_ROWS = 32
 
 
 class QuantLinear(torch.nn.Module):
@@ -22,6 +26,7 @@ class QuantLinear(torch.nn.Module):
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), requires_grad=False)
         self.tile_rows = max(1, min(self.out_features, TILE_FLOATS // max(weight.inner, 1)))
+        self.matvec_rows = MATVEC_ROWS
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel.kind}, "
@@ -46,9 +51,10 @@ class QuantLinear(torch.nn.Module):
                 out += self.bias
             return out
         flat = x.reshape(-1, self.in_features).to(device="cpu", dtype=torch.float32).contiguous()
-        if flat.shape[0] == 1:
-            out = torch.empty(1, self.out_features, dtype=torch.float32)
-            self.kernel.matvec_ptr(ptr(flat), ptr(out))
+        if flat.shape[0] <= self.matvec_rows:
+            out = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32)
+            for row_in, row_out in zip(flat, out, strict=True):
+                self.kernel.matvec_ptr(ptr(row_in), ptr(row_out))
         else:
             out = self._tiled(flat)
         if self.bias is not None:
