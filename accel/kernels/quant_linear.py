@@ -1,9 +1,9 @@
 """QuantLinear: a drop-in torch.nn.Linear (inference only) that keeps its weight in accel's stored form.
 
 Up to MATVEC_ROWS input rows (a decode step, a short prefill) run the fused decode + matvec kernel, once per row.
-More rows (a long prefill, evaluation windows) decode the weight one tile of rows at a time into a reused float32 buffer and multiply the tile with
-torch (so the dense matrix never exists whole); for Leech weights the tiles are of the transformed weight T and
-the inputs and outputs go through the seeded transforms: Y = U^T (T (V X)).
+More rows (a long prefill, evaluation windows) decode the weight one tile of rows at a time into a reused float32
+buffer and multiply the tile with torch (so the dense matrix never exists whole); for Leech weights the tiles are
+of the transformed weight T and the inputs and outputs go through the seeded transforms: Y = U^T (T (V X)).
 """
 
 from __future__ import annotations

@@ -201,7 +201,8 @@ class AffineWeight(KernelWeight):
     @cached_property
     def _kernels(self) -> tuple:
         """(matvec, decode_rows, the leading arguments both take), fixed once the weight is built: a decode step
-        calls matvec for every linear, so the addresses are not looked up again on each call."""
+        calls matvec for every linear, so the addresses are not looked up again on each call (the arrays a
+        KernelWeight holds are never replaced after construction; these addresses point into them)."""
         if self.tiled == "base3":
             return self._lib.accel_base3_tiled_matvec, self._lib.accel_base3_tiled_decode_rows, self._tiled_args()
         if self.tiled:
