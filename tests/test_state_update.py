@@ -204,8 +204,20 @@ def test_mixed_state_storage_bits():
         su.step_mixed(state, *(np.zeros(s) for s in [(1, 32, 64), (1, 32, 64), (1, 32, 128), (1, 32), (1, 32)]))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not state_update_triton.available(), reason="needs Triton and a CUDA GPU (or TRITON_INTERPRET=1)")
+def needs_triton(test):
+    """The Triton tests: marked `gpu`, run on a GPU or under Triton's interpreter, skipped otherwise."""
+    skip = pytest.mark.skipif(not state_update_triton.available(),
+                              reason="needs Triton and a CUDA GPU (or TRITON_INTERPRET=1)")
+    return pytest.mark.gpu(skip(test))
+
+
+def _on_device(*arrays, dtype=None):
+    """Copies of numpy arrays on the Triton kernels' device (a GPU, or the CPU under the interpreter)."""
+    where = state_update_triton.device()
+    return [torch.from_numpy(np.array(a, dtype=dtype)).to(where) for a in arrays]
+
+
+@needs_triton
 @pytest.mark.parametrize("kda", [False, True])
 def test_triton_step_matches_reference(kda):  # pragma: no cover - needs Triton
     rng = np.random.default_rng(5)
@@ -214,11 +226,8 @@ def test_triton_step_matches_reference(kda):  # pragma: no cover - needs Triton
     state = su.MixedState.from_float(rng.normal(size=(b, h, dk, dv)) * 0.3, high)
     inp = _step_inputs(rng, b, h, dk, dv, kda)
     o_ref, s_ref = su.reference_step(state.to_float(), *inp)
-    where = state_update_triton.device()
-    dev = [torch.from_numpy(np.ascontiguousarray(a)).to(where) for a in
-           (state.slot, state.hi.view(np.float16), state.lo, state.lo_scale.view(np.float16))]
-    o = state_update_triton.step_mixed_triton(*dev, *(torch.from_numpy(np.asarray(x, np.float32)).to(where)
-                                                      for x in inp))
+    dev = _on_device(state.slot, state.hi.view(np.float16), state.lo, state.lo_scale.view(np.float16))
+    o = state_update_triton.step_mixed_triton(*dev, *_on_device(*inp, dtype=np.float32))
     np.testing.assert_allclose(o.cpu().numpy(), o_ref, atol=1e-5 * np.abs(o_ref).max())
     state.hi[...] = dev[1].cpu().numpy().view(np.uint16)
     state.lo[...] = dev[2].cpu().numpy()
@@ -226,8 +235,7 @@ def test_triton_step_matches_reference(kda):  # pragma: no cover - needs Triton
     np.testing.assert_allclose(state.to_float(), s_ref, atol=np.abs(s_ref).max() / 127)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not state_update_triton.available(), reason="needs Triton and a CUDA GPU (or TRITON_INTERPRET=1)")
+@needs_triton
 @pytest.mark.parametrize("kda", [False, True])
 def test_triton_float32_step_matches_reference(kda):  # pragma: no cover - needs Triton
     rng = np.random.default_rng(6)
@@ -235,9 +243,7 @@ def test_triton_float32_step_matches_reference(kda):  # pragma: no cover - needs
     s = (rng.normal(size=(b, h, dk, dv)) * 0.3).astype(np.float32)
     inp = _step_inputs(rng, b, h, dk, dv, kda)
     o_ref, s_ref = su.reference_step(s, *inp)
-    where = state_update_triton.device()
-    state = torch.from_numpy(s.copy()).to(where)
-    o = state_update_triton.step_f32_triton(state, *(torch.from_numpy(np.asarray(x, np.float32)).to(where)
-                                                     for x in inp))
+    (state,) = _on_device(s)
+    o = state_update_triton.step_f32_triton(state, *_on_device(*inp, dtype=np.float32))
     np.testing.assert_allclose(o.cpu().numpy(), o_ref, atol=1e-5 * np.abs(o_ref).max())
     np.testing.assert_allclose(state.cpu().numpy(), s_ref, atol=1e-5 * np.abs(s_ref).max())
