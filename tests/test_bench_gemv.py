@@ -30,3 +30,40 @@ def test_goals_name_the_kernels_that_miss_and_the_planes_ratio():
 def test_goals_without_int4_have_no_ratio():
     rows = [_row("14336x4096", "leech-planes", 700.0, 10e6, 3.0, 0.6)]
     assert goals({"rows": rows})["14336x4096"]["planes_vs_int4_time_per_weight_byte"] is None
+
+
+def test_time_arms_takes_turns_and_does_not_count_a_turns_first_pass():
+    import time
+
+    from gemv import _time_arms
+
+    log = []
+
+    def call(name, seconds):
+        def run():
+            if not log or log[-1] != name:  # the first call of a turn: as if the caches were the other arm's
+                time.sleep(0.01)
+            log.append(name)
+            time.sleep(seconds)
+        return run
+
+    timed = _time_arms({"a": [call("a", 0.001)], "b": [call("b", 0.002)]}, min_seconds=0.05, turn_seconds=0.005)
+    turns = [name for i, name in enumerate(log) if i == 0 or log[i - 1] != name]
+    assert turns[:4] == ["a", "b", "a", "b"] and len(turns) >= 10  # at least 5 rounds, arms alternating
+    # each turn is one slow pass (11 ms, not counted) and one fast one: counted, the medians would be the slow ones
+    for name, fast in (("a", 0.001), ("b", 0.002)):
+        best, median = timed[name]
+        assert fast <= best <= median < fast + 0.005
+
+
+def test_read_probe_reads_every_element():
+    import numpy as np
+
+    from accel.kernels._build import compiler_available, library
+
+    if not compiler_available():
+        import pytest
+        pytest.skip("no C compiler for the accel CPU kernels")
+    src = (np.arange(100_003) % 7).astype(np.float32)
+    for threads in (1, 2, 3):
+        assert library().accel_read(src.ctypes.data, src.size, threads) == float(src.sum(dtype=np.float64))
