@@ -345,3 +345,11 @@ def test_jobs_must_be_positive(capsys, tiny_llama, tmp_path):
     assert_one_line_error(code, err, contains="--jobs must be at least 1")
     assert not (tmp_path / "q").exists()
 
+
+
+def test_inspect_table_piped_keeps_whole_tensor_names(capsys, rtn4):
+    """Captured stdout is not a terminal: rich assumed 80 columns and cut names to "model.la…"."""
+    names = [t["name"] for t in run_json(capsys, "inspect", rtn4)["tensors"]]
+    code, out, _ = run(capsys, "inspect", rtn4)
+    assert code == 0 and "…" not in out
+    assert all(name in out for name in names)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from typing import Any
 
@@ -18,7 +19,17 @@ from accel.progress import Progress
 # Text from the user (paths, model names, specs such as damp:abc) is printed as it is: no emoji codes (":abc:"
 # would become an emoji) and no markup unless a call asks for it (markup=True with escaped values)
 stderr = Console(stderr=True, highlight=False, emoji=False, markup=False)
-stdout = Console(highlight=False, emoji=False, markup=False)
+
+
+def _piped_width() -> int | None:
+    """None (rich asks the terminal) when stdout is a terminal or COLUMNS is set; otherwise a width no line reaches.
+
+    Piped or captured, rich would lay tables out in 80 columns and cut tensor names and paths to "model.la…"; the
+    tables are not expanded, so each is as wide as its longest cells, and text lines are not broken."""
+    return None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 10_000
+
+
+stdout = Console(highlight=False, emoji=False, markup=False, width=_piped_width())
 
 JSON_OPTION = typer.Option(False, "--json", help="Print one JSON object on stdout (logs and progress go to stderr).")
 
