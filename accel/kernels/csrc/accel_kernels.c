@@ -2081,9 +2081,9 @@ API void accel_copy(float *dst, const float *src, int64_t n, int nthreads) {
 }
 
 /* Sum of src, every thread reading its own contiguous slice as two streams in turn (4 KB blocks from each half
- * alternately, each line prefetched 1 KB ahead): the read-only bandwidth bench/gemv.py also compares to. Measured
- * on this box against one plain stream a thread, other block sizes, more streams and prefetch distances: the
- * fastest or within 3% of it (31-32 GB/s on a busy host). */
+ * alternately, each line prefetched 1 KB ahead): the read-only bandwidth bench/gemv.py also compares to. The
+ * pattern that read fastest in a scratch probe against 1-8 streams a thread, 1 or 4 KB blocks and other prefetch
+ * distances and levels; 36-38 GB/s on this box on 2026-12-03 (docs/kernels.md, "Streaming"). */
 API float accel_read(const float *src, int64_t n, int nthreads) {
     int nt = threads_for(nthreads, (double)n);
     float total = 0.0f;
