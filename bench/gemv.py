@@ -59,10 +59,10 @@ def make_weight(kind: str, rows: int, cols: int, rng: np.random.Generator):
                                             "scale_dtype": "float16"}, (rows, cols), layout, "quantized")
     else:
         from accel.formats.leech_codec import ball_levels
-        from accel.quantize.leech_weights import stage_alphas
+        from accel.quantize.leech_weights import padded_width, stage_alphas
 
         layout = kind.split("-")[1]
-        padded = -(-cols // 24) * 24
+        padded = padded_width(rows, cols, (13,))  # the width accel quantize writes
         params = {"stages": [{"max_shell": 13, "alpha": stage_alphas((13,))[0]}], "cols": padded,
                   "seed_in": 1, "seed_out": 2, "scale_dtype": "float16"}
         levels = ball_levels(13)

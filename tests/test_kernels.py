@@ -213,19 +213,34 @@ def test_leech_tiles_of_many_rows(simd, rng):
         _check_matvec(entry, _parts(entry, arrays), rng)
 
 
+def _random_leech(rows, cols, width, layout, rng):
+    """A leech weight of random ball indices stored `width` wide, whatever width accel quantize would pick now (the
+    format-version-1 width of 4100 columns, 4104, is still served)."""
+    from accel.formats.codecs import get_codec
+    from accel.formats.leech_codec import ball_levels
+    from accel.formats.tensor import TensorEntry
+
+    params = {"stages": [{"max_shell": 13, "alpha": 0.5}], "cols": width, "seed_in": 6, "seed_out": 7,
+              "scale_dtype": "float16"}
+    indices = rng.integers(0, ball_levels(13), size=rows * width // 24, dtype=np.uint64)
+    parts = {"codes": get_codec("leech").layout_for(layout, "codes", params).pack(indices, ball_levels(13)),
+             "scale": (rng.random(rows) + 0.5).astype(np.float16)}
+    return TensorEntry("w", "leech", params, (rows, cols), layout, "quantized"), parts
+
+
 @pytest.mark.parametrize("layout", ["planes", "onehot"])
-@pytest.mark.parametrize("cols", [744, 1104, 4100], ids=lambda c: f"cols{c}")
-def test_leech_matvec_odd_rotations(simd, rng, cols, layout):
+@pytest.mark.parametrize("cols,width", [(744, 744), (1104, 1104), (4100, 4104)], ids=lambda c: f"{c}")
+def test_leech_matvec_odd_rotations(simd, rng, cols, width, layout):
     """Input transforms whose odd factor is a dense rotation large enough to be split between threads: 744 = 8 * 93
-    (the narrow path for 8-wide vectors), 1104 = 16 * 69 (eight rows a block), 4104 = 8 * 513 (as for 4096); the
-    tiles' steps come in odd counts of blocks and chunks with a short last one (read in two halves)."""
+    (the narrow path for 8-wide vectors), 1104 = 16 * 69 (eight rows a block), 4104 = 8 * 513 (4096 columns as
+    format version 1 stored them); the tiles' steps come in odd counts of blocks and chunks with a short last one
+    (read in two halves)."""
     from accel.kernels import set_threads
 
-    w = rng.standard_normal((21, cols))
-    entry, arrays = encode_tensor("w", w, "leech", layout=layout, shells=(13,), seed_in=6, seed_out=7)
+    entry, parts = _random_leech(21, cols, width, layout, rng)
     set_threads(2)
     try:
-        _check_matvec(entry, _parts(entry, arrays), rng)
+        _check_matvec(entry, parts, rng)
     finally:
         set_threads(0)
 

@@ -14,6 +14,7 @@ from accel.formats.tensor import decode_parts
 from accel.quantize.gptq import proxy_loss
 from accel.quantize.incoherence import rht
 from accel.quantize.leech import index_to_point, is_leech_point, shell_of
+from accel.quantize.leech_weights import padded_width
 
 LAYOUTS = ("packed", "planes", "onehot")
 
@@ -88,12 +89,45 @@ def test_error_is_near_the_gaussian_rate_distortion(rng):
 
 
 def test_sizes_that_are_not_whole_blocks_are_padded_and_counted(rng):
-    w = rng.standard_normal((16, 4096))
+    w = rng.standard_normal((16, 1000))
     entry, arrays = _encode(w)
-    assert entry.params["cols"] == 4104
-    assert arrays["w:codes"].nbytes == 16 * 4104 // BLOCK * 6
+    assert entry.params["cols"] == 1008  # whole blocks: 1032 = 129 * 8 would read more
+    assert arrays["w:codes"].nbytes == 16 * 1008 // BLOCK * 6
     y = _decode(entry, arrays)
     assert y.shape == w.shape and np.linalg.norm(y - w) / np.linalg.norm(w) < 0.3
+
+
+def test_padding_past_a_block_to_a_cheaper_transform_decodes(rng):
+    """4096 columns: whole blocks would be 4104 = 8 * 513 (a 513 x 513 rotation read on every call); 16 rows pad to
+    4224 = 128 * 33, the most the format allows (4096 / 32 = 128 columns)."""
+    w = rng.standard_normal((16, 4096))
+    entry, arrays = _encode(w)
+    assert entry.params["cols"] == 4224
+    assert arrays["w:codes"].nbytes == 16 * 4224 // BLOCK * 6
+    y = _decode(entry, arrays)
+    assert y.shape == w.shape and np.linalg.norm(y - w) / np.linalg.norm(w) < 0.3
+
+
+@pytest.mark.parametrize("rows,cols,width", [(4096, 4096, 4128), (14336, 4096, 4128), (4096, 14336, 14400),
+                                             (576, 576, 576), (1536, 576, 576), (576, 1536, 1536), (21, 100, 120)])
+def test_padded_width_of_known_shapes(rows, cols, width):
+    assert padded_width(rows, cols, (13,)) == width
+
+
+def test_padded_width_reads_the_fewest_bytes_among_the_allowed_widths():
+    from accel.formats.leech_codec import ball_levels, max_padding
+    from accel.quantize.incoherence import split_size
+
+    rng = np.random.default_rng(5)
+    for rows, cols in zip(rng.integers(1, 20000, 300), rng.integers(1, 30000, 300), strict=True):
+        for shells in ((13,), (13, 3)):
+            bits = sum(int(ball_levels(s) - 1).bit_length() for s in shells)
+            width = padded_width(int(rows), int(cols), shells)
+            assert width % BLOCK == 0 and cols <= width <= cols + max_padding(int(cols))
+            def cost(w, rows=rows, bits=bits):
+                return rows * (w // BLOCK) * bits / 8 + 4 * split_size(w)[0] ** 2
+            allowed = [w for w in range(BLOCK, cols + max_padding(int(cols)) + 1, BLOCK) if w >= cols]
+            assert cost(width) == min(map(cost, allowed)) and width == min(w for w in allowed if cost(w) == cost(width))
 
 
 @pytest.mark.slow
@@ -102,7 +136,8 @@ def test_a_4096_square_matrix(rng):
     entry, arrays = _encode(w)
     y = _decode(entry, arrays)
     assert np.linalg.norm(y - w) / np.linalg.norm(w) < 0.3
-    assert 8 * sum(a.nbytes for a in arrays.values()) / w.size < 2.02
+    # stored 4128 = 32 * 129 wide (padded_width): 172 blocks of 48 bits and a 16-bit scale a row, 2.0195 bits
+    assert 8 * sum(a.nbytes for a in arrays.values()) / w.size == (172 * 48 + 16) / 4096
 
 
 def test_error_feedback_lowers_the_proxy_loss(rng):
@@ -118,3 +153,22 @@ def test_same_seed_same_bytes(rng):
     w = rng.standard_normal((8, 48))
     a, b = _encode(w)[1], _encode(w)[1]
     assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_codec_refuses_a_padded_width_outside_the_bound():
+    from accel.errors import FormatError
+
+    codec = get_codec("leech")
+
+    def params(cols):
+        return {"stages": [{"max_shell": 13, "alpha": 0.5}], "cols": cols, "seed_in": 1, "seed_out": 2,
+                "scale_dtype": "float16"}
+
+    for cols in (4104, 4128, 4224):  # version 1's whole blocks, accel's pick, the bound (4096 + 4096 / 32)
+        codec.check_params(params(cols), (16, 4096))
+    for cols in (4080, 4100, 4248, 1 << 29):
+        with pytest.raises(FormatError, match="padded width"):
+            codec.check_params(params(cols), (16, 4096))
+    codec.check_params(params(120), (16, 97))  # under 32 * 24 columns: less than a block, as in version 1
+    with pytest.raises(FormatError, match="padded width"):
+        codec.check_params(params(144), (16, 97))

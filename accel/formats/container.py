@@ -21,7 +21,7 @@ from accel.formats.dtypes import NUMPY_OF
 from accel.formats.tensor import TensorEntry, decode_parts, storage_dtype_of
 
 FORMAT_NAME = "accel"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 _ALIGN = 8
 

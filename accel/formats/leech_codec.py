@@ -19,6 +19,13 @@ BLOCK = 24
 STREAM_NAMES = ("codes", "codes2")
 
 
+def max_padding(cols: int) -> int:
+    """The most zero columns a leech weight of `cols` logical columns may store: less than a block, or up to
+    cols/32 (format version 2: the writer may pad further to a width whose transform is cheaper; docs/format.md
+    §4.1). Also what bounds a hostile `cols`."""
+    return max(BLOCK - 1, cols // 32)
+
+
 def _lattice():
     from accel.quantize import (
         leech,  # the lattice math; imported on use so the format library loads without it
@@ -38,7 +45,7 @@ def max_magnitude(max_shell: int) -> int:
 
 
 class LeechCodec(Codec, name="leech"):
-    """Params: `stages` [{"max_shell", "alpha"}], `cols` (padded to whole blocks), `seed_in`, `seed_out`,
+    """Params: `stages` [{"max_shell", "alpha"}], `cols` (padded width: whole blocks), `seed_in`, `seed_out`,
     `scale_dtype`. Parts: `codes` (and `codes2` for a second stage) and `scale` (rows,)."""
 
     def check_params(self, params, shape):
@@ -50,8 +57,9 @@ class LeechCodec(Codec, name="leech"):
             _require(isinstance(stage.get("alpha"), float) and stage["alpha"] > 0, "leech stage alpha must be > 0")
         _require(len(shape) == 2, f"leech tensors are 2-D, got shape {list(shape)}")
         cols = _int_param(params, "cols", 1, 1 << 30)
-        _require(cols % BLOCK == 0 and cols >= shape[1] and cols - shape[1] < BLOCK,
-                 f"leech padded width {cols} does not fit {shape[1]} columns in whole blocks of {BLOCK}")
+        _require(cols % BLOCK == 0 and shape[1] <= cols <= shape[1] + max_padding(shape[1]),
+                 f"leech padded width {cols} is not a multiple of {BLOCK} from {shape[1]} to "
+                 f"{shape[1] + max_padding(shape[1])} columns")
         _int_param(params, "seed_in", 0, 2**32 - 1)
         _int_param(params, "seed_out", 0, 2**32 - 1)
         _require(params.get("scale_dtype") == "float16", "leech scale_dtype must be float16")

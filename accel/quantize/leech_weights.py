@@ -2,7 +2,7 @@
 per 24-column block, optional residual second stage, block-LDLQ error feedback when Hessians are given.
 
 Rates (bits per 24-weight block): leech2 = 48 (shells 2..13, < 2^48 points); leech3 = 48 + 25 (second stage on
-shells 2..3); leech4 = 48 + 48. Row scales add 16 bits per row; padding to whole blocks is counted.
+shells 2..3); leech4 = 48 + 48. Row scales add 16 bits per row; the padding (`padded_width`) is counted.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from functools import cache
 import numpy as np
 
 from accel.formats import dtypes
-from accel.formats.leech_codec import BLOCK, STREAM_NAMES
+from accel.formats.leech_codec import BLOCK, STREAM_NAMES, ball_levels, max_padding
 from accel.formats.tensor import TensorEntry, encode_tensor
 from accel.quantize.gptq import damped_inverse_cholesky, error_feedback
-from accel.quantize.incoherence import transform_hessian, transform_weight
+from accel.quantize.incoherence import split_size, transform_hessian, transform_weight
 from accel.quantize.methods import WeightMethod, WeightSettings, register_weight_method
 
 RATES = {"leech2": (13,), "leech3": (13, 3), "leech4": (13, 13)}
@@ -55,11 +55,25 @@ def tensor_seeds(name: str, seed: int) -> tuple[int, int]:
     return base & 0xFFFFFFFF, (base * 0x85EBCA6B + 1) & 0xFFFFFFFF
 
 
+def padded_width(rows: int, cols: int, shells: tuple[int, ...]) -> int:
+    """The stored width of a rows x cols weight: the multiple of 24 from cols up to cols + max_padding(cols) whose
+    batch-1 matvec reads the fewest bytes, the narrowest of equals.
+
+    A call reads the codes (rows * width / 24 blocks at the stages' index bits) and applies the input transform V of
+    that width, whose odd factor m brings an m x m float32 rotation (4 m^2 bytes, derived from the seed, read on
+    every call). 4096 columns in whole blocks are 4104 = 8 * 513 (a 1 MB rotation); 4128 = 32 * 129 stores 0.6% more
+    codes and reads 66 KB of rotation (measured 377 -> 339 us a call at 4096 rows, docs/kernels.md)."""
+    block_bits = sum(int(ball_levels(s) - 1).bit_length() for s in shells)
+    first = -(-cols // BLOCK) * BLOCK
+    widths = range(first, cols + max_padding(cols) + 1, BLOCK)
+    return min(widths, key=lambda w: (rows * (w // BLOCK) * block_bits / 8 + 4 * split_size(w)[0] ** 2, w))
+
+
 def quantize_leech(weight: np.ndarray, shells: tuple[int, ...], seed_in: int, seed_out: int,
                    hessian: np.ndarray | None = None) -> tuple[dict[str, np.ndarray], np.ndarray, dict]:
     """Code streams, fp16 row scales and codec params for one 2-D weight."""
     rows, cols = weight.shape
-    padded = -(-cols // BLOCK) * BLOCK
+    padded = padded_width(rows, cols, shells)
     w = np.zeros((rows, padded))
     w[:, :cols] = weight
     wt = transform_weight(w, seed_out, seed_in)
