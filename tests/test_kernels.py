@@ -229,11 +229,11 @@ def _random_leech(rows, cols, width, layout, rng):
 
 
 @pytest.mark.parametrize("layout", ["planes", "onehot"])
-@pytest.mark.parametrize("cols,width", [(744, 744), (1104, 1104), (4100, 4104)], ids=lambda c: f"{c}")
+@pytest.mark.parametrize("cols,width", [(744, 744), (1104, 1104), (4100, 4104), (4096, 4128)], ids=lambda c: f"{c}")
 def test_leech_matvec_odd_rotations(simd, rng, cols, width, layout):
     """Input transforms whose odd factor is a dense rotation large enough to be split between threads: 744 = 8 * 93
     (the narrow path for 8-wide vectors), 1104 = 16 * 69 (eight rows a block), 4104 = 8 * 513 (4096 columns as
-    format version 1 stored them); the tiles' steps come in odd counts of blocks and chunks with a short last one
+    format version 1 stored them), 4128 = 32 * 129 (as version 2 does); the tiles' steps come in odd counts of blocks and chunks with a short last one
     (read in two halves)."""
     from accel.kernels import set_threads
 
