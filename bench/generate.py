@@ -41,6 +41,40 @@ def decode_speed(model, ids, tokens: int) -> tuple[float, float, list[int]]:
         return prefill, (tokens - 1) / (time.perf_counter() - t0), generated
 
 
+def time_breakdown(model, ids, tokens: int) -> dict[str, float]:
+    """Milliseconds a generated token spends in the linear layers, in the LM head and elsewhere (attention, norms,
+    Python), from forward hooks around every linear module: one more greedy run after the timed ones. The hooks
+    themselves add a few microseconds a call, counted in the linear layers' share."""
+    import torch
+
+    spent = {"linear": 0.0, "lm_head": 0.0}
+    started: dict[int, float] = {}
+    hooks = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) or type(module).__name__ == "QuantLinear":
+            key = "lm_head" if name.endswith("lm_head") else "linear"
+            hooks.append(module.register_forward_pre_hook(
+                lambda m, i: started.__setitem__(id(m), time.perf_counter())))
+            hooks.append(module.register_forward_hook(
+                lambda m, i, o, key=key: spent.__setitem__(key, spent[key] + time.perf_counter() - started[id(m)])))
+    try:
+        with torch.inference_mode():
+            out = model(input_ids=ids, use_cache=True)
+            past, nxt = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+            spent.update(linear=0.0, lm_head=0.0)
+            t0 = time.perf_counter()
+            for _ in range(tokens - 1):
+                out = model(input_ids=nxt, cache=past, use_cache=True)
+                past, nxt = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
+            total = time.perf_counter() - t0
+    finally:
+        for h in hooks:
+            h.remove()
+    per = {k: v / (tokens - 1) * 1e3 for k, v in spent.items()}
+    return {"token_ms": total / (tokens - 1) * 1e3, **{f"{k}_ms": v for k, v in per.items()},
+            "other_ms": (total / (tokens - 1)) * 1e3 - sum(per.values())}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_dir", help="accel OUT_DIR (served with QuantLinear kernels)")
@@ -49,6 +83,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time where a generated token goes (linear layers, LM head, the rest), with hooks")
     args = ap.parse_args()
 
     import torch
@@ -82,9 +118,17 @@ def main() -> None:
                                 "prefill_s": statistics.median(s[0] for s in samples),
                                 "text": texts[name]}
     result["speedup"] = result["arms"]["accel-kernels"]["tokens_per_s"] / result["arms"]["dense-fp32"]["tokens_per_s"]
+    if args.breakdown:
+        for name, model in arms.items():
+            result["arms"][name]["breakdown"] = time_breakdown(model, ids, args.tokens)
     print(f"{'arm':<15} {'tokens/s':>9} {'prefill s':>10}")
     for name, arm in result["arms"].items():
         print(f"{name:<15} {arm['tokens_per_s']:>9.1f} {arm['prefill_s']:>10.3f}")
+    for name, arm in result["arms"].items():
+        if "breakdown" in arm:
+            b = arm["breakdown"]
+            print(f"{name}: {b['token_ms']:.2f} ms a token with hooks: linear layers {b['linear_ms']:.2f}, "
+                  f"LM head {b['lm_head_ms']:.2f}, the rest {b['other_ms']:.2f}")
     print(f"speedup of accel-kernels over dense fp32: {result['speedup']:.2f}x")
     if args.json:
         print(json.dumps(result))
