@@ -43,36 +43,34 @@ def decode_speed(model, ids, tokens: int) -> tuple[float, float, list[int]]:
 
 def time_breakdown(model, ids, tokens: int) -> dict[str, float]:
     """Milliseconds a generated token spends in the linear layers, in the LM head and elsewhere (attention, norms,
-    Python), from forward hooks around every linear module: one more greedy run after the timed ones. The hooks
-    themselves add a few microseconds a call, counted in the linear layers' share."""
+    Python): one more `decode_speed` run with forward hooks around every linear module, counting the one-token
+    calls (the decode steps, and the prompt's LM head on its last position). The hooks themselves add a few microseconds a call, counted in the linear layers' share."""
     import torch
 
     spent = {"linear": 0.0, "lm_head": 0.0}
     started: dict[int, float] = {}
+
+    def before(module, inputs):
+        started[id(module)] = time.perf_counter()
+
+    def after(module, inputs, output, key):
+        if inputs[0].shape[-2] == 1:  # a decode step, not the prompt
+            spent[key] += time.perf_counter() - started[id(module)]
+
     hooks = []
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) or type(module).__name__ == "QuantLinear":
             key = "lm_head" if name.endswith("lm_head") else "linear"
-            hooks.append(module.register_forward_pre_hook(
-                lambda m, i: started.__setitem__(id(m), time.perf_counter())))
-            hooks.append(module.register_forward_hook(
-                lambda m, i, o, key=key: spent.__setitem__(key, spent[key] + time.perf_counter() - started[id(m)])))
+            hooks += [module.register_forward_pre_hook(before),
+                      module.register_forward_hook(lambda m, i, o, key=key: after(m, i, o, key))]
     try:
-        with torch.inference_mode():
-            out = model(input_ids=ids, use_cache=True)
-            past, nxt = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
-            spent.update(linear=0.0, lm_head=0.0)
-            t0 = time.perf_counter()
-            for _ in range(tokens - 1):
-                out = model(input_ids=nxt, cache=past, use_cache=True)
-                past, nxt = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
-            total = time.perf_counter() - t0
+        _, tokens_per_s, _ = decode_speed(model, ids, tokens)
     finally:
         for h in hooks:
             h.remove()
-    per = {k: v / (tokens - 1) * 1e3 for k, v in spent.items()}
-    return {"token_ms": total / (tokens - 1) * 1e3, **{f"{k}_ms": v for k, v in per.items()},
-            "other_ms": (total / (tokens - 1)) * 1e3 - sum(per.values())}
+    token_ms = 1e3 / tokens_per_s
+    per = {f"{k}_ms": v / (tokens - 1) * 1e3 for k, v in spent.items()}
+    return {"token_ms": token_ms, **per, "other_ms": token_ms - sum(per.values())}
 
 
 def main() -> None:
