@@ -111,3 +111,47 @@ def test_eval_with_kernels_matches_dense(quantized_tiny, text_file, capsys):
         dense, kern = results[method, ()], results[method, ("--kernels",)]
         assert kern["ppl"] == pytest.approx(dense["ppl"], rel=1e-5)
         assert kern["windows"] == dense["windows"] == 3
+
+
+def test_a_tied_head_over_coded_embeddings_runs_through_quant_linear(tiny_llama, text_file, tmp_path, monkeypatch):
+    """Embeddings kept on their source's own grid (as a Q8_0 GGUF stores them): the tied LM head multiplies by the
+    stored codes through a QuantLinear, the lookup keeps dense rows, and the logits match the dense decode."""
+    import shutil
+
+    from transformers import LlamaForCausalLM
+
+    from accel.converters.hf_dir import HFDirSource
+    from accel.eval.load import load_causal_lm
+    from accel.kernels.quant_linear import QuantLinear
+    from accel.quantize.pipeline import QuantizeSettings, quantize_model
+
+    model = LlamaForCausalLM.from_pretrained(tiny_llama)
+    model.config.tie_word_embeddings = True
+    emb = model.model.embed_tokens.weight
+    d = (emb.detach().abs().amax(dim=1, keepdim=True) / 127).numpy().astype(np.float16)  # one group a row
+    q = np.rint(emb.detach().numpy() / d.astype(np.float32)).clip(-128, 127) + 0.0  # no -0.0: GGUF's q are ints
+    with torch.no_grad():
+        emb.copy_(torch.from_numpy(d.astype(np.float32) * q.astype(np.float32)))  # on the grid, as Q8_0 holds it
+    model.lm_head.weight = emb
+    source_dir = tmp_path / "tied"
+    model.save_pretrained(source_dir, safe_serialization=True)
+    for f in tiny_llama.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(f, source_dir / f.name)
+    grid = {"levels": 256, "group": emb.shape[1], "scale": d, "offset": (d.astype(np.float32) * -128).astype(np.float16)}
+    monkeypatch.setattr(HFDirSource, "native_grid",
+                        lambda self, name: grid if name == "model.embed_tokens.weight" else None)
+    out = tmp_path / "out"
+    quantize_model(str(source_dir), out, QuantizeSettings(weights="rtn4"), jobs=1)
+
+    kern = load_causal_lm(out, kernels=True)
+    dense = load_causal_lm(out)
+    assert isinstance(kern.model.lm_head, QuantLinear) and not isinstance(dense.model.lm_head, QuantLinear)
+    assert torch.equal(dense.model.model.embed_tokens.weight, emb)  # kept bit for bit
+    ids = kern.tokenizer(text_file.read_text()[:400], return_tensors="pt").input_ids[:, :32]
+    with torch.inference_mode():
+        a, b = kern.model(input_ids=ids).logits, dense.model(input_ids=ids).logits
+        assert float((a - b).abs().max()) < 1e-4
+        out5 = kern.model(input_ids=ids[:, :5], use_cache=True)
+        step = kern.model(input_ids=ids[:, 5:6], cache=out5.cache, use_cache=True).logits
+        assert float((step - dense.model(input_ids=ids[:, :6]).logits[:, -1:]).abs().max()) < 1e-4

@@ -249,7 +249,8 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path: Path, model: LlamaForCausalLM, arch: str = "llama", f16: tuple[str, ...] = ()) -> None:
+def write_gguf(path: Path, model: LlamaForCausalLM, arch: str = "llama", f16: tuple[str, ...] = (),
+               quant: dict[str, gguf.GGMLQuantizationType] | None = None) -> None:
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -274,7 +275,10 @@ def write_gguf(path: Path, model: LlamaForCausalLM, arch: str = "llama", f16: tu
             array = llama_cpp_permute(array, cfg.num_attention_heads)
         elif "k_proj" in name:
             array = llama_cpp_permute(array, cfg.num_key_value_heads)
-        writer.add_tensor(gguf_name, array.astype(np.float16) if name in f16 else array)
+        if quant and name in quant:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(array, quant[name]), raw_dtype=quant[name])
+        else:
+            writer.add_tensor(gguf_name, array.astype(np.float16) if name in f16 else array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -458,3 +462,46 @@ def test_alias_support_files_are_deterministic(smollm2, tmp_path):
         AutoTokenizer.from_pretrained(str(tmp_path / "a"))(text).input_ids
         == src.load_tokenizer()(text).input_ids
     )
+
+
+def test_gguf_quantized_tensors_are_kept_on_their_own_grid_bit_for_bit(tmp_path):
+    """Q4_1 and Q8_0 tensors: the source's grid reproduces every loaded value through the affine codec, so they are
+    kept as `affine` (5 and 9 bits a weight); float tensors and permuted q/k rows are kept raw."""
+    from accel.formats.tensor import decode_parts
+    from accel.quantize.pipeline import keep_tensor
+
+    Q = gguf.GGMLQuantizationType
+    quant = {"model.embed_tokens.weight": Q.Q8_0, "model.layers.0.mlp.up_proj.weight": Q.Q4_1,
+             "model.layers.0.self_attn.v_proj.weight": Q.Q8_0, "model.layers.0.self_attn.q_proj.weight": Q.Q4_1}
+    path = tmp_path / "quant.gguf"
+    write_gguf(path, random_llama(seed=7), quant=quant)
+    src = open_model(path)
+    kept = {}
+    for name in src.tensor_names():
+        x = src.load_tensor(name)
+        entry, arrays = keep_tensor(src, name, x)
+        decoded = decode_parts(entry, {part: arrays[stored] for part, stored in entry.parts.items()})
+        assert np.array_equal(decoded.view(np.uint32), x.view(np.uint32)), name  # bit for bit, either way
+        kept[name] = (entry.codec, entry.params.get("levels"))
+    assert kept["model.embed_tokens.weight"] == ("affine", 256)
+    assert kept["model.layers.0.self_attn.v_proj.weight"] == ("affine", 256)
+    assert kept["model.layers.0.mlp.up_proj.weight"] == ("affine", 16)
+    assert kept["model.layers.0.self_attn.q_proj.weight"] == ("raw", None)  # rows permuted on load: no grid
+    assert kept["model.layers.0.mlp.down_proj.weight"] == ("raw", None)  # float32 in the file
+    assert src.native_grid("model.layers.0.self_attn.q_proj.weight") is None
+
+
+def test_a_grid_that_does_not_reproduce_the_values_keeps_them_raw():
+    from accel.quantize.pipeline import keep_tensor
+
+    class Source:
+        def native_grid(self, name):
+            return {"levels": 16, "group": 32, "scale": np.full((2, 1), 0.1, np.float16),
+                    "offset": np.zeros((2, 1), np.float16)}
+
+        def tensor_dtype(self, name):
+            return "float32"
+
+    x = np.linspace(0, 1.5, 64, dtype=np.float32).reshape(2, 32)  # 64 values, 16 levels a row: not all on it
+    entry, _ = keep_tensor(Source(), "w", x)
+    assert entry.codec == "raw" and entry.role == "kept"

@@ -259,6 +259,27 @@ class GGUFSource(ModelSource):
         # A fresh array either way: F32 tensors would otherwise be views of the read-only memory map.
         return np.array(values, dtype=np.float32, order="C", copy=True)
 
+    def native_grid(self, name: str) -> dict[str, Any] | None:
+        """Q4_1 blocks (x = d*q + m, q in 0..15) and Q8_0 blocks (x = d*q, q in -128..127; as q + 128 on the grid
+        with offset -128 d, exact in float32 since d has 11 significant bits) of 32 along a row, for 2-D tensors
+        stored unpermuted; gguf's dequantization computes the same float32 operations as the affine codec's."""
+        entry = self._entries.get(name)
+        if entry is None:
+            raise self._unknown_tensor(name)
+        t = self._tensors[entry.gguf_name]
+        kind = t.tensor_type.name
+        if kind not in ("Q4_1", "Q8_0") or entry.qk_heads is not None or len(entry.shape) != 2 or entry.shape[1] % 32:
+            return None
+        rows, groups = entry.shape[0], entry.shape[1] // 32
+        blocks = np.asarray(t.data, dtype=np.uint8).reshape(rows * groups, -1)
+        d = blocks[:, 0:2].copy().view(np.float16).reshape(rows, groups)
+        if kind == "Q4_1":
+            return {"levels": 16, "group": 32, "scale": d,
+                    "offset": blocks[:, 2:4].copy().view(np.float16).reshape(rows, groups)}
+        with np.errstate(over="ignore"):
+            offset = (d.astype(np.float32) * -128).astype(np.float16)
+        return {"levels": 256, "group": 32, "scale": d, "offset": offset}
+
     def load_tokenizer(self) -> Any:
         if self._tokenizer is None:
             if "tokenizer.ggml.tokens" not in self._reader.fields:

@@ -67,6 +67,12 @@ class ModelSource(abc.ABC):
     def load_tensor(self, name: str) -> np.ndarray:
         """The tensor as a fresh float32, C-contiguous, writable array."""
 
+    def native_grid(self, name: str) -> dict[str, Any] | None:
+        """The affine grid the source itself stores the tensor on, when it stores one (quantized GGUF types): the
+        `affine` codec's `levels`, `group`, and fp16 `scale` and `offset` arrays [rows, groups] on which
+        `load_tensor`'s values lie exactly; None for float tensors."""
+        return None
+
     @abc.abstractmethod
     def load_tokenizer(self) -> Any:
         """A transformers fast tokenizer."""

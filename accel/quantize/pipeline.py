@@ -19,7 +19,7 @@ from accel.errors import AccelError
 from accel.formats.artifact import MANIFEST_FILE, Artifact, write_weights
 from accel.formats.atomic import atomic_write_text, check_output_dir, output_dir
 from accel.formats.layouts import get_layout
-from accel.formats.tensor import encode_tensor
+from accel.formats.tensor import decode_parts, encode_tensor
 from accel.progress import SILENT, Progress
 from accel.quantize.maps import BuildContext, encode_map, parse_spec
 from accel.quantize.methods import WeightMethod, WeightSettings, get_weight_method, is_quantizable
@@ -86,6 +86,20 @@ def _build_maps(model: str, config: dict[str, Any], settings: QuantizeSettings, 
     return maps
 
 
+def keep_tensor(source, name: str, x: np.ndarray):
+    """A tensor accel does not quantize, stored losslessly: on the grid the source itself stores it on when there is
+    one and the `affine` codec reproduces every value bit for bit from it (a Q4_1 or Q8_0 GGUF tensor: 5 or 9 bits a
+    weight instead of 32), else `raw` in the source's precision."""
+    grid = source.native_grid(name)
+    if grid is not None:
+        entry, arrays = encode_tensor(name, x, "affine", role="kept", levels=grid["levels"], group=grid["group"],
+                                      symmetric=False, scale=grid["scale"], offset=grid["offset"])
+        decoded = decode_parts(entry, {part: arrays[stored] for part, stored in entry.parts.items()})
+        if np.array_equal(np.ascontiguousarray(decoded, np.float32).view(np.uint32), x.view(np.uint32)):
+            return entry, arrays
+    return encode_tensor(name, x, "raw", role="kept", dtype=source.tensor_dtype(name))
+
+
 def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: bool = False,
                    progress: Progress = SILENT, jobs: int | None = None) -> dict[str, Any]:
     """Quantize MODEL into OUT_DIR; returns the report of design.md §3 (`quantize`).
@@ -123,7 +137,7 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
                     if not np.isfinite(x).all():
                         raise AccelError(f"tensor '{name}' holds NaN or Inf values; refusing to quantize it")
                     if method is None or not is_quantizable(name, x.shape):
-                        results[name] = encode_tensor(name, x, "raw", role="kept", dtype=source.tensor_dtype(name))
+                        results[name] = keep_tensor(source, name, x)
                         progress.advance()
                         continue
                     own = replace(weight_settings, hessians=None if hessians is None else
