@@ -1,10 +1,11 @@
 """Build a transformers model from an accel OUT_DIR with QuantLinear layers over the stored weights.
 
 Kept tensors (embeddings, norms, LM head) are decoded as usual; a tied LM head whose embeddings are stored coded
-(a quantized GGUF's own grid, kept bit for bit) multiplies through a QuantLinear over those codes. Each quantized 2-D weight that a kernel can read
-stays in its stored form (memory-mapped, checksums verified) behind a QuantLinear; the model is first built with
-an untouched `torch.empty` placeholder in its place (no pages are written, so no memory is used) and the Linear is
-then swapped. A quantized tensor no kernel reads, or one that does not feed an nn.Linear, is decoded densely.
+(a quantized GGUF's own grid, kept bit for bit) also multiplies through a QuantLinear over those codes. Each
+quantized 2-D weight that a kernel can read stays in its stored form (memory-mapped, checksums verified) behind a
+QuantLinear; the model is first built with an untouched `torch.empty` placeholder in its place (no pages are
+written, so no memory is used) and the Linear is then swapped. A quantized tensor no kernel reads, or one that does
+not feed an nn.Linear, is decoded densely.
 """
 
 from __future__ import annotations
