@@ -113,9 +113,20 @@ def test_eval_with_kernels_matches_dense(quantized_tiny, text_file, capsys):
         assert kern["windows"] == dense["windows"] == 3
 
 
+def _on_a_q8_grid(weight):
+    """Put a 2-D parameter's rows on a Q8_0-like grid (one group a row) in place; returns that grid."""
+    d = (weight.detach().abs().amax(dim=1, keepdim=True) / 127).numpy().astype(np.float16)
+    q = np.rint(weight.detach().numpy() / d.astype(np.float32)).clip(-128, 127) + 0.0  # no -0.0: GGUF's q are ints
+    with torch.no_grad():
+        weight.copy_(torch.from_numpy(d.astype(np.float32) * q.astype(np.float32)))
+    return {"levels": 256, "group": weight.shape[1], "scale": d,
+            "offset": (d.astype(np.float32) * -128).astype(np.float16)}
+
+
 def test_a_tied_head_over_coded_embeddings_runs_through_quant_linear(tiny_llama, text_file, tmp_path, monkeypatch):
     """Embeddings kept on their source's own grid (as a Q8_0 GGUF stores them): the tied LM head multiplies by the
-    stored codes through a QuantLinear, the lookup keeps dense rows, and the logits match the dense decode."""
+    stored codes through QuantLinear, the lookup keeps dense rows, the embeddings come back bit for bit, and the
+    logits match the dense decode."""
     import shutil
 
     from transformers import LlamaForCausalLM
@@ -128,25 +139,21 @@ def test_a_tied_head_over_coded_embeddings_runs_through_quant_linear(tiny_llama,
     model = LlamaForCausalLM.from_pretrained(tiny_llama)
     model.config.tie_word_embeddings = True
     emb = model.model.embed_tokens.weight
-    d = (emb.detach().abs().amax(dim=1, keepdim=True) / 127).numpy().astype(np.float16)  # one group a row
-    q = np.rint(emb.detach().numpy() / d.astype(np.float32)).clip(-128, 127) + 0.0  # no -0.0: GGUF's q are ints
-    with torch.no_grad():
-        emb.copy_(torch.from_numpy(d.astype(np.float32) * q.astype(np.float32)))  # on the grid, as Q8_0 holds it
+    grids = {"model.embed_tokens.weight": _on_a_q8_grid(emb)}
     model.lm_head.weight = emb
     source_dir = tmp_path / "tied"
     model.save_pretrained(source_dir, safe_serialization=True)
     for f in tiny_llama.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
             shutil.copy(f, source_dir / f.name)
-    grid = {"levels": 256, "group": emb.shape[1], "scale": d, "offset": (d.astype(np.float32) * -128).astype(np.float16)}
-    monkeypatch.setattr(HFDirSource, "native_grid",
-                        lambda self, name: grid if name == "model.embed_tokens.weight" else None)
+    monkeypatch.setattr(HFDirSource, "native_grid", lambda self, name: grids.get(name))
     out = tmp_path / "out"
     quantize_model(str(source_dir), out, QuantizeSettings(weights="rtn4"), jobs=1)
 
     kern = load_causal_lm(out, kernels=True)
     dense = load_causal_lm(out)
     assert isinstance(kern.model.lm_head, QuantLinear) and not isinstance(dense.model.lm_head, QuantLinear)
+    assert sum(isinstance(m, QuantLinear) for m in kern.model.modules()) == 15  # 14 quantized linears and the head
     assert torch.equal(dense.model.model.embed_tokens.weight, emb)  # kept bit for bit
     ids = kern.tokenizer(text_file.read_text()[:400], return_tensors="pt").input_ids[:, :32]
     with torch.inference_mode():

@@ -1,11 +1,11 @@
 """Build a transformers model from an accel OUT_DIR with QuantLinear layers over the stored weights.
 
-Kept tensors (embeddings, norms, LM head) are decoded as usual; a tied LM head whose embeddings are stored coded
-(a quantized GGUF's own grid, kept bit for bit) also multiplies through a QuantLinear over those codes. Each
-quantized 2-D weight that a kernel can read stays in its stored form (memory-mapped, checksums verified) behind a
-QuantLinear; the model is first built with an untouched `torch.empty` placeholder in its place (no pages are
-written, so no memory is used) and the Linear is then swapped. A quantized tensor no kernel reads, or one that does
-not feed an nn.Linear, is decoded densely.
+Kept raw tensors (embeddings, norms, LM head) are decoded as usual. Each coded 2-D weight that a kernel can read
+(quantized, or kept on its source's own grid: a quantized GGUF's Q4_1 / Q8_0 tensors, bit for bit) stays in its
+stored form (memory-mapped, checksums verified) behind a QuantLinear, and so does a tied LM head over coded
+embeddings (the embedding lookup gets dense rows); the model is first built with an untouched `torch.empty`
+placeholder in its place (no pages are written, so no memory is used) and the Linear is then swapped. A quantized
+tensor no kernel reads, or one that does not feed an nn.Linear, is decoded densely.
 """
 
 from __future__ import annotations
@@ -32,16 +32,16 @@ def stored_parts(art: Artifact, name: str, check: bool = True) -> dict[str, np.n
 
 
 def _tied_head_source(art: Artifact, config: dict[str, Any]) -> str | None:
-    """The stored embeddings a tied LM head multiplies by, when they are coded (not raw floats): a kept tensor on
-    its source's own grid (docs/format.md, `kept`) or a quantized one."""
+    """The stored embeddings a tied LM head multiplies by (none when the head is stored on its own or not tied)."""
     name = "model.embed_tokens.weight"
     if not config.get("tie_word_embeddings") or "lm_head.weight" in art.names or name not in art.names:
         return None
-    return None if art.entry(name).codec == "raw" else name
+    return name
 
 
 def build_kernel_model(art: Artifact, config: dict[str, Any], progress: Progress = SILENT):
-    """A float32 causal LM whose quantized linear layers are QuantLinear modules (eval mode)."""
+    """A float32 causal LM whose coded linear layers (quantized, or kept on a source's own grid) are QuantLinear
+    modules (eval mode)."""
     import torch
 
     from accel.converters import build_transformers_model
@@ -51,10 +51,10 @@ def build_kernel_model(art: Artifact, config: dict[str, Any], progress: Progress
     tensors: dict[str, Any] = {}
     kernels = {}
     progress.stage("loading weights (kernels)", len(art.names))
-    head = _tied_head_source(art, config)
     for name in art.names:
         entry = art.entry(name)
-        if entry.role == "quantized" and name.endswith(".weight") and len(entry.shape) == 2:
+        coded = entry.role == "quantized" or (entry.role == "kept" and entry.codec != "raw")
+        if coded and name.endswith(".weight") and len(entry.shape) == 2:
             try:
                 kernels[name] = kernel_weight(entry, stored_parts(art, name))
                 tensors[name] = torch.empty(tuple(entry.shape), dtype=torch.float32)
@@ -66,11 +66,9 @@ def build_kernel_model(art: Artifact, config: dict[str, Any], progress: Progress
     progress.close()
     model = build_transformers_model(config, tensors)
     del tensors
-    if head is not None:  # the tied LM head reads the embeddings' stored codes; the lookup keeps its dense rows
-        try:
-            model.lm_head = QuantLinear(kernel_weight(art.entry(head), stored_parts(art, head)), None)
-        except Unsupported:
-            pass
+    head = _tied_head_source(art, config)
+    if head in kernels:  # a tied LM head reads the embeddings' stored codes; the lookup gets dense rows below
+        model.lm_head = QuantLinear(kernels[head], None)
     for name, weight in kernels.items():
         path = name[: -len(".weight")]
         parent_name, _, child = path.rpartition(".")
