@@ -32,22 +32,26 @@ def test_goals_without_int4_have_no_ratio():
     assert goals({"rows": rows})["14336x4096"]["planes_vs_int4_time_per_weight_byte"] is None
 
 
-def test_time_arms_takes_turns_and_does_not_count_a_turns_first_pass():
-    import time
+def test_time_arms_takes_turns_and_does_not_count_a_turns_first_pass(monkeypatch):
+    """On a fake clock that only the calls move, so the figures are exact and the host's load cannot touch them."""
+    import types
 
-    from gemv import _time_arms
+    import gemv
 
+    clock = [0.0]
+    monkeypatch.setattr(gemv, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     log = []
 
     def call(name, seconds):
         def run():
             if not log or log[-1] != name:  # the first call of a turn: as if the caches were the other arm's
-                time.sleep(0.01)
+                clock[0] += 0.01
             log.append(name)
-            time.sleep(seconds)
+            clock[0] += seconds
         return run
 
-    timed = _time_arms({"a": [call("a", 0.001)], "b": [call("b", 0.002)]}, min_seconds=0.05, turn_seconds=0.005)
+    timed = gemv._time_arms({"a": [call("a", 0.001)], "b": [call("b", 0.002)]}, min_seconds=0.05,
+                            turn_seconds=0.005)
     turns = [name for i, name in enumerate(log) if i == 0 or log[i - 1] != name]
     assert turns[:4] == ["a", "b", "a", "b"] and len(turns) >= 10  # at least 5 rounds, arms alternating
     # each turn is one slow pass (11 ms, not counted) and one fast one: counted, the medians would be the slow ones
