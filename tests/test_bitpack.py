@@ -24,6 +24,23 @@ def test_bit_stream_roundtrip_any_width(width, count, seed):
     assert np.array_equal(bitpack.unpack_bits(stream, width, count).astype(np.uint64), values)
 
 
+@pytest.mark.parametrize("width", range(1, 65))
+def test_bit_stream_matches_a_big_integer_reference(width, monkeypatch):
+    """The stream is the little-endian bytes of the integer sum(v_i << (width * i)), at every width, for counts
+    that end mid-unit and mid-byte, in one chunk of the packer's and across many (a chunk of 64 values)."""
+    rng = np.random.default_rng(width)
+    for chunk in (bitpack._CHUNK, 64):
+        monkeypatch.setattr(bitpack, "_CHUNK", chunk)
+        for count in (0, 1, 7, 9, 64 + 3, 513):
+            values = [int(v) for v in rng.integers(0, 2**min(width, 63), size=count, dtype=np.uint64)]
+            if width == 64 and count:
+                values[0] = 2**64 - 1
+            reference = sum(v << (width * i) for i, v in enumerate(values))
+            stream = bitpack.pack_bits(np.array(values, dtype=np.uint64), width)
+            assert stream.tobytes() == reference.to_bytes(math.ceil(count * width / 8), "little")
+            assert bitpack.unpack_bits(stream, width, count).astype(np.uint64).tolist() == values
+
+
 def test_bit_stream_is_little_endian():
     # value 0b101 at width 3, then 0b11 -> bits 1,0,1,1,1 -> byte 0b00011101
     assert bitpack.pack_bits(np.array([5, 3]), 3).tolist() == [0b00011101]

@@ -6,6 +6,7 @@ bit (k % 8) of byte k // 8 (docs/format.md, "Bit streams").
 
 from __future__ import annotations
 
+import math
 from functools import cache
 
 import numpy as np
@@ -21,6 +22,13 @@ def packed_nbytes(count: int, width: int) -> int:
     return (count * width + 7) // 8
 
 
+def _unit(width: int) -> tuple[int, int, int]:
+    """(values, bytes, 64-bit words) of the smallest run of `width`-bit values that ends on a byte boundary."""
+    values = 8 // math.gcd(width, 8)
+    nbytes = values * width // 8
+    return values, nbytes, -(-nbytes // 8)
+
+
 def pack_bits(values: np.ndarray, width: int) -> np.ndarray:
     """Pack non-negative integers below 2**width (1 <= width <= 64) into a little-endian bit stream."""
     if not 1 <= width <= 64:
@@ -33,14 +41,26 @@ def pack_bits(values: np.ndarray, width: int) -> np.ndarray:
         raise ValueError(f"a value does not fit in {width} bits")
     if width == 8:
         return flat.astype(np.uint8)
+    # Values are OR-ed into little-endian 64-bit words a unit (a whole number of bytes) at a time; the unit's
+    # bytes are then the words' first bytes. Zero values pad the last unit, so the padding bits are zero.
+    per_unit, unit_bytes, nwords = _unit(width)
     out = np.empty(packed_nbytes(flat.size, width), dtype=np.uint8)
-    shifts = np.arange(width, dtype=np.uint64)
     for start in range(0, flat.size, _CHUNK):
         chunk = flat[start : start + _CHUNK]
-        bits = ((chunk[:, None] >> shifts) & np.uint64(1)).astype(np.uint8)
-        packed = np.packbits(bits.reshape(-1), bitorder="little")
+        units = -(-chunk.size // per_unit)
+        padded = np.zeros(units * per_unit, dtype=np.uint64)
+        padded[: chunk.size] = chunk
+        padded = padded.reshape(units, per_unit)
+        words = np.zeros((units, nwords), dtype="<u8")
+        for i in range(per_unit):
+            word, shift = divmod(i * width, 64)
+            words[:, word] |= padded[:, i] << np.uint64(shift)
+            if shift + width > 64:
+                words[:, word + 1] |= padded[:, i] >> np.uint64(64 - shift)
+        packed = words.view(np.uint8).reshape(units, 8 * nwords)[:, :unit_bytes].reshape(-1)
         first = start * width // 8
-        out[first : first + packed.size] = packed
+        n = packed_nbytes(chunk.size, width)
+        out[first : first + n] = packed[:n]
     return out
 
 
@@ -52,24 +72,32 @@ def unpack_bits(stream: np.ndarray, width: int, count: int) -> np.ndarray:
     expected = packed_nbytes(count, width)
     if stream.size != expected:
         raise FormatError(f"bit stream holds {stream.size} bytes, expected {expected} for {count}x{width} bits")
-    if width == 8:
-        return stream.copy()
-    out = np.empty(count, dtype=np.uint8 if width <= 8 else np.uint64)
-    for start in range(0, count, _CHUNK):
-        n = min(_CHUNK, count - start)
-        first = start * width // 8
-        raw = stream[first : first + packed_nbytes(n, width)]
-        bits = np.unpackbits(raw, count=n * width, bitorder="little").reshape(n, width)
-        if width <= 8:
-            weights = (1 << np.arange(width)).astype(np.uint8)
-            out[start : start + n] = (bits * weights).sum(axis=1, dtype=np.uint16).astype(np.uint8)
-        else:
-            out[start : start + n] = (bits.astype(np.uint64) << np.arange(width, dtype=np.uint64)).sum(
-                axis=1, dtype=np.uint64
-            )
     tail = count * width % 8
     if tail and stream.size and int(stream[-1]) >> tail:
         raise FormatError("bit stream has non-zero padding bits after its last value")
+    if width == 8:
+        return stream.copy()
+    per_unit, unit_bytes, nwords = _unit(width)
+    mask = np.uint64((1 << width) - 1)
+    out = np.empty(count, dtype=np.uint8 if width <= 8 else np.uint64)
+    for start in range(0, count, _CHUNK):
+        n = min(_CHUNK, count - start)
+        units = -(-n // per_unit)
+        first = start * width // 8
+        raw = stream[first : first + packed_nbytes(n, width)]
+        buf = np.zeros((units, 8 * nwords), dtype=np.uint8)
+        flat = np.zeros(units * unit_bytes, dtype=np.uint8)
+        flat[: raw.size] = raw
+        buf[:, :unit_bytes] = flat.reshape(units, unit_bytes)
+        words = buf.view("<u8")
+        values = np.empty((units, per_unit), dtype=np.uint64)
+        for i in range(per_unit):
+            word, shift = divmod(i * width, 64)
+            v = words[:, word] >> np.uint64(shift)
+            if shift + width > 64:
+                v |= words[:, word + 1] << np.uint64(64 - shift)
+            values[:, i] = v & mask
+        out[start : start + n] = values.reshape(-1)[:n]
     return out
 
 
