@@ -201,6 +201,12 @@ def test_quantize_and_eval_damp_map(capsys, gdn_calib, tmp_path, text_file):
     assert abs(ev["delta_nll"]) < 0.02
     code, printed, _ = run(capsys, "eval", out, "--data", text_file, "--windows", "1", "--seq-len", "24")
     assert code == 0 and "bits per value" in printed
+    one = run_json(capsys, "eval", out, "--data", text_file, "--windows", "3", "--seq-len", "24")
+    two = run_json(capsys, "eval", out, "--data", text_file, "--windows", "3", "--seq-len", "24", "--batch", "2")
+    assert two["state_bytes"] == one["state_bytes"] and two["state_bits_per_value"] == one["state_bits_per_value"]
+    np.testing.assert_allclose(two["window_nll"], one["window_nll"], atol=1e-3)
+    code, _, err = run(capsys, "eval", out, "--data", text_file, "--windows", "1", "--seq-len", "24", "--batch", "0")
+    assert_one_line_error(code, err, 2, "--batch must be at least 1")
 
 
 def _assert_refused_with_other_heads(capsys, out, text_file):

@@ -10,12 +10,17 @@ from accel.errors import AccelError
 from accel.eval.evaluate import EvalSettings, evaluate
 from accel.eval.load import load_causal_lm
 from accel.eval.perplexity import decode_nll, window_nll
+from accel.fixtures.corpus import heldout_text
 from accel.formats.bitpack import pack_bits
+from accel.kernels import state_update
 from accel.runtime.state_cache import (
     QuantizedStateCache,
+    StateRuntime,
     StateScheme,
     decode_rows,
+    decode_rows_torch,
     encode_rows,
+    encode_rows_torch,
     pack_codes,
     quantize_rows,
     row_bits,
@@ -30,6 +35,37 @@ def test_torch_bit_packing_is_the_format_librarys(width):
     stream = pack_codes(torch.from_numpy(codes), width)
     np.testing.assert_array_equal(stream.numpy(), pack_bits(codes, width))
     np.testing.assert_array_equal(unpack_codes(stream, width, codes.size).numpy(), codes)
+
+
+@pytest.mark.skipif(not state_update.available(), reason="needs gcc for the C row coder")
+@pytest.mark.parametrize("k", [2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 14, 15, 16])
+def test_c_row_coder_is_the_torch_definition_bit_for_bit(k):
+    """The cache codes INT-K rows in C (numpy's packing was most of a decode step); the parts and the decoded
+    rows are those of the torch/numpy definition in every bit, at d_v 64 and 24,
+    with all-zero rows, ties at half a step and values past the clamp."""
+    rng = np.random.default_rng(k)
+    for dv in (64, 24):
+        rows = torch.from_numpy((rng.normal(size=(300, dv)) * rng.uniform(0, 20, size=(300, 1))).astype(np.float32))
+        rows[0] = 0.0
+        rows[1, :4] = torch.tensor([0.5, 1.5, -2.5, 1e-30])  # ties round to even; a tiny value next to them
+        rows[1, 4:] = 0.0
+        rows[1, 5] = 2.0 ** (k - 1) - 1
+        fmt = f"int{k}"
+        mine, ref = encode_rows(rows, fmt), encode_rows_torch(rows, fmt)
+        assert torch.equal(mine["codes"], ref["codes"])
+        assert torch.equal(mine["scales"].view(torch.int16), ref["scales"].view(torch.int16))
+        assert torch.equal(decode_rows(mine, fmt, 300, dv), decode_rows_torch(ref, fmt, 300, dv))
+    bad = rows.clone()
+    bad[7, 3] = float("nan")  # non-finite rows take the torch path (whatever it does with them)
+
+    def outcome(encode):
+        try:
+            return encode(bad, f"int{k}")["codes"]
+        except ValueError as exc:
+            return str(exc)
+
+    mine, ref = outcome(encode_rows), outcome(encode_rows_torch)
+    assert mine == ref if isinstance(ref, str) else torch.equal(mine, ref)
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "fp16", "bf16", "fp8", "int8", "int4", "int6", "int10"])
@@ -106,6 +142,28 @@ def test_fp32_state_cache_decodes_exactly_like_the_model(fixture):
     np.testing.assert_allclose(decoded.nll, plain.nll, rtol=1e-5)
     assert set(caches[0].stored) == set(shape.layers) and caches[0].stores == len(shape.layers) * 47
     assert caches[0].state_nbytes() == 4 * shape.values
+
+
+def test_batched_decode_matches_window_by_window_and_counts_bytes_per_sequence():
+    """Windows decoded side by side read only their own states: an fp32 state gives each window's teacher-forced
+    NLL, and a quantized cache's report counts bytes per sequence, not per batch."""
+    loaded = load_causal_lm("tiny-gdn")
+    ids = np.asarray(loaded.tokenizer(heldout_text()[:4000])["input_ids"], dtype=np.int64)
+    windows = ids[: 5 * 40].reshape(5, 40)
+    plain = window_nll(loaded.model, windows)
+    shape = state_shape(loaded.config)
+    fp32 = StateRuntime(loaded.model, StateScheme(shape, low="fp32"))
+    batched = decode_nll(loaded.model, windows, fp32.make_cache, batch=2)  # batches of 2, 2 and 1
+    np.testing.assert_allclose(batched.nll, plain.nll, rtol=1e-5)
+    assert [c.sequences() for c in fp32.caches] == [2, 2, 1]
+    for batch in (1, 3):
+        int8 = StateRuntime(loaded.model, StateScheme(shape, low="int8"))
+        nll = decode_nll(loaded.model, windows, int8.make_cache, batch=batch).nll
+        assert np.abs(nll - plain.nll).max() < 0.05
+        report = int8.report()
+        assert report["state_bytes"] == 3 * 4 * 64 * 64 * 8.25 / 8 and report["state_bits_per_value"] == 8.25
+    with pytest.raises(ValueError, match="batch must be at least 1"):
+        decode_nll(loaded.model, windows, fp32.make_cache, batch=0)
 
 
 def test_uniform_baselines_through_eval(text_file):

@@ -23,13 +23,16 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0, "--seed", help="Seed for the bootstrap."),
         kernels: bool = typer.Option(False, "--kernels", help="Serve an OUT_DIR's quantized weights through the "
                                      "fused decode kernels (QuantLinear) instead of decoding them to dense."),
+        batch: int = typer.Option(1, "--batch", help="Windows decoded side by side when a KV or state map makes "
+                                  "eval decode token by token (each through its own cache; faster on small models)."),
         json_out: bool = JSON_OPTION,
     ) -> None:
         """Perplexity of MODEL on --data; with --reference, the paired ΔNLL and its bootstrap 95% interval."""
         from accel.eval.evaluate import EvalSettings, evaluate
 
         result = evaluate(model, EvalSettings(data=data, reference=reference, windows=windows, seq_len=seq_len,
-                                              seed=seed, kv=kv, state=state, kernels=kernels), BarProgress())
+                                              seed=seed, kv=kv, state=state, kernels=kernels, batch=batch),
+                          BarProgress())
         if json_out:
             emit_json(result)
             return

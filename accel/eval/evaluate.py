@@ -26,11 +26,14 @@ class EvalSettings:
     kv: str | None = None  # --kv METHOD[:ARG]: a KV scheme applied at eval time (accel.quantize.maps)
     state: str | None = None  # --state METHOD[:ARG]: a recurrent-state scheme applied at eval time
     kernels: bool = False  # --kernels: an OUT_DIR's quantized linear weights run through QuantLinear (accel.kernels)
+    batch: int = 1  # --batch: windows decoded side by side when a KV / state map makes eval decode token by token
 
 
 def evaluate(spec: str | Path, settings: EvalSettings, progress: Progress = SILENT) -> dict[str, Any]:
     """Perplexity over non-overlapping windows; with a reference, the paired per-window ΔNLL and its 95% CI."""
     text = read_text(settings.data)  # validate the data before any model work
+    if settings.batch < 1:
+        raise AccelError(f"--batch must be at least 1, got {settings.batch}")
     torch.manual_seed(settings.seed)
     loaded = load_causal_lm(spec, progress, kernels=settings.kernels)
     windows = token_windows(loaded.tokenizer, text, settings.seq_len, settings.windows)
@@ -39,7 +42,7 @@ def evaluate(spec: str | Path, settings: EvalSettings, progress: Progress = SILE
     if runtime is None:
         arm = window_nll(loaded.model, windows, progress.advance)
     else:
-        arm = decode_nll(loaded.model, windows, runtime.make_cache, progress.advance)
+        arm = decode_nll(loaded.model, windows, runtime.make_cache, progress.advance, batch=settings.batch)
         map_report.update(runtime.report())
     progress.close()
     del loaded

@@ -867,3 +867,64 @@ int accel_state_step_water(int B, int H, int dk, int dv, int kda, const int32_t 
     }
     return failed ? -1 : 0;
 }
+
+// ---------------------------------------------------------------------------------------------------------------
+// The runtime's INT-K row storage on its own (accel.runtime.state_cache's encode_rows / decode_rows for K = 2..16,
+// K != 8), the same bits: n rows of dv values (dv * K a multiple of 8) <-> one bit stream of codes + qmax and a
+// float16 scale a row (absmax / qmax, at least 2^-24; codes round-half-even(x * (1 / scale)) clamped to +-qmax).
+// The cache calls these for every store and load of a decode step; numpy's bit packing took 10-30 ns a value.
+
+// a row's fields through a 64-bit accumulator (the same stream as pack_row / unpack_row, a few times faster)
+static void pack_row_stream(uint8_t *o, width_rule w, int dv, const float *x, float inv) {
+    uint64_t acc = 0;
+    int nb = 0;
+    for (int i = 0; i < dv; i++) {
+        float c = __builtin_roundevenf(x[i] * inv);
+        c = c > (float)w.qmax ? (float)w.qmax : (c < (float)-w.qmax ? (float)-w.qmax : c);
+        acc |= (uint64_t)(((uint32_t)((int32_t)c + w.bias) ^ (uint32_t)w.flip) & ((1u << w.k) - 1)) << nb;
+        nb += w.k;
+        for (; nb >= 8; nb -= 8, acc >>= 8) *o++ = (uint8_t)acc;
+    }
+}
+
+static void unpack_row_stream(const uint8_t *p, width_rule w, int dv, float scale, float *out) {
+    uint64_t acc = 0;
+    int nb = 0;
+    const uint32_t mask = (1u << w.k) - 1;
+    for (int i = 0; i < dv; i++) {
+        for (; nb < w.k; nb += 8) acc |= (uint64_t)*p++ << nb;
+        out[i] = (float)((int32_t)(((uint32_t)acc & mask) ^ (uint32_t)w.flip) - w.bias) * scale;
+        acc >>= w.k;
+        nb -= w.k;
+    }
+}
+
+int accel_state_encode_int_rows(const float *x, long n, int dv, int k, uint8_t *codes, uint16_t *scales,
+                                int threads) {
+    if (k < 2 || k > 16 || k == 8 || (dv * k) % 8) return -1;
+    const width_rule w = rule_of(k, dv);
+#pragma omp parallel for num_threads(threads) schedule(static) if (n * dv > (1 << 16))
+    for (long r = 0; r < n; r++) {
+        const float *row = x + r * dv;
+        float amax = 0.0f;
+        for (int j = 0; j < dv; j++) {
+            const float a = fabsf(row[j]);
+            amax = a > amax ? a : amax;
+        }
+        float sc = amax / (float)w.qmax;
+        if (sc < 0x1p-24f) sc = 0x1p-24f;
+        scales[r] = float_to_half_bits(sc);
+        pack_row_stream(codes + r * w.row_bytes, w, dv, row, 1.0f / half_bits_to_float(scales[r]));
+    }
+    return 0;
+}
+
+int accel_state_decode_int_rows(const uint8_t *codes, const uint16_t *scales, long n, int dv, int k, float *out,
+                                int threads) {
+    if (k < 2 || k > 16 || k == 8 || (dv * k) % 8) return -1;
+    const width_rule w = rule_of(k, dv);
+#pragma omp parallel for num_threads(threads) schedule(static) if (n * dv > (1 << 16))
+    for (long r = 0; r < n; r++)
+        unpack_row_stream(codes + r * w.row_bytes, w, dv, half_bits_to_float(scales[r]), out + r * dv);
+    return 0;
+}

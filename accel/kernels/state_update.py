@@ -39,6 +39,9 @@ def library() -> ctypes.CDLL:
     lib.accel_state_step_mixed.argtypes = [_i32] * 5 + [_ptr, _i32, _i32] + [_ptr] * 9 + [_i32]
     lib.accel_state_step_water.argtypes = [_i32] * 5 + [_ptr] * 5 + [_ptr] * 6 + [_i32]
     lib.accel_state_water_vector_path.argtypes = [_i32]
+    lib.accel_state_encode_int_rows.argtypes = [_ptr, ctypes.c_long, _i32, _i32, _ptr, _ptr, _i32]
+    lib.accel_state_decode_int_rows.argtypes = [_ptr, _ptr, ctypes.c_long, _i32, _i32, _ptr, _i32]
+    lib.accel_state_encode_int_rows.restype = lib.accel_state_decode_int_rows.restype = _i32
     lib.accel_state_step_f32.restype = lib.accel_state_step_mixed.restype = _i32
     lib.accel_state_step_water.restype = lib.accel_state_water_vector_path.restype = _i32
     return lib
@@ -245,6 +248,33 @@ def step_water(state: WaterState, q, k, v, g, beta, threads: int = 0) -> np.ndar
     if rc:
         raise MemoryError("the state-update kernel could not allocate its scratch")
     return o
+
+
+def encode_int_rows(rows: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
+    """`state_cache.encode_rows(rows, f"int{k}")` for K = 2..16, K != 8, in C: the same parts, bit for bit."""
+    rows = rows.detach().to(torch.float32).contiguous()
+    n, dv = rows.shape
+    codes = torch.empty(n * dv * k // 8, dtype=torch.uint8)
+    scales = torch.empty(n, dtype=torch.float16)
+    rc = library().accel_state_encode_int_rows(rows.data_ptr(), n, dv, k, codes.data_ptr(), scales.data_ptr(),
+                                               torch.get_num_threads())
+    if rc:
+        raise ValueError(f"INT-{k} rows of {dv} values: K must be 2..16 (not 8) and d_v * K a multiple of 8")
+    return {"codes": codes, "scales": scales}
+
+
+def decode_int_rows(parts: dict[str, torch.Tensor], k: int, n: int, dv: int) -> torch.Tensor:
+    """`state_cache.decode_rows(parts, f"int{k}", n, dv)` in C (the inverse of encode_int_rows)."""
+    codes, scales = parts["codes"].contiguous(), parts["scales"].contiguous()
+    if codes.dtype != torch.uint8 or codes.numel() != n * dv * k // 8 or scales.numel() != n \
+            or scales.dtype != torch.float16:
+        raise ValueError(f"INT-{k} parts do not hold {n} rows of {dv} values")
+    out = torch.empty(n, dv, dtype=torch.float32)
+    rc = library().accel_state_decode_int_rows(codes.data_ptr(), scales.data_ptr(), n, dv, k, out.data_ptr(),
+                                               torch.get_num_threads())
+    if rc:
+        raise ValueError(f"INT-{k} rows of {dv} values: K must be 2..16 (not 8) and d_v * K a multiple of 8")
+    return out
 
 
 def water_vector_path(d_v: int) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
 import numpy as np
@@ -98,8 +99,34 @@ def int_round_trip(rows: torch.Tensor, k: int) -> torch.Tensor:
     return q * scale.float()[:, None]
 
 
+@cache
+def _c_rows() -> Any:
+    """accel.kernels.state_update when its C library builds here, else None (INT-K rows then pack in numpy)."""
+    from accel.kernels import state_update
+
+    return state_update if state_update.available() else None
+
+
+def _c_int(fmt: str, rows_or_n: torch.Tensor | int, d_v: int) -> Any:
+    """The C row coder for an INT-K format it takes (K = 2..16 but 8, d_v * K whole bytes, finite rows), or None."""
+    k = int_bits(fmt)
+    if k is None or k == 8 or (d_v * k) % 8:
+        return None
+    if isinstance(rows_or_n, torch.Tensor) and not bool(torch.isfinite(rows_or_n).all()):
+        return None
+    return _c_rows()
+
+
 def encode_rows(rows: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
     """rows [N, d_v] float32 -> stored parts."""
+    c = _c_int(fmt, rows, rows.shape[-1])
+    if c is not None:
+        return c.encode_int_rows(rows, int_bits(fmt))
+    return encode_rows_torch(rows, fmt)
+
+
+def encode_rows_torch(rows: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
+    """encode_rows in torch and numpy only (the definition the C row coder reproduces bit for bit)."""
     if fmt in _FLOATS:
         return {"values": rows.to(_FLOATS[fmt]).contiguous()}
     if fmt == "fp8":
@@ -115,6 +142,14 @@ def encode_rows(rows: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
 
 
 def decode_rows(parts: dict[str, torch.Tensor], fmt: str, n: int, d_v: int) -> torch.Tensor:
+    c = _c_int(fmt, n, d_v)
+    if c is not None:
+        return c.decode_int_rows(parts, int_bits(fmt), n, d_v)
+    return decode_rows_torch(parts, fmt, n, d_v)
+
+
+def decode_rows_torch(parts: dict[str, torch.Tensor], fmt: str, n: int, d_v: int) -> torch.Tensor:
+    """decode_rows in torch and numpy only."""
     if fmt in _FLOATS:
         return parts["values"].to(torch.float32)
     scale = parts["scales"].float()[:, None]
@@ -262,6 +297,10 @@ class QuantizedStateCache(DynamicCache):
         """Bytes the stored states occupy now (all layers)."""
         return sum(s.nbytes for s in self.stored.values())
 
+    def sequences(self) -> int:
+        """Sequences (the batch) whose states the cache holds."""
+        return max((st.batch for st in self.stored.values()), default=0)
+
     def state_values(self) -> int:
         s = self.scheme.shape
         return sum(st.batch for st in self.stored.values()) * s.heads * s.d_k * s.d_v
@@ -290,7 +329,7 @@ class StateRuntime(Runtime):
         nbytes = sum(c.state_nbytes() for c in used)
         values = sum(c.state_values() for c in used)
         s = self.scheme.shape
-        per_seq = nbytes / len(used)
+        per_seq = nbytes / sum(c.sequences() for c in used)
         return {"state_bits_per_value": 8.0 * nbytes / values, "state_bytes": per_seq,
                 "state_fp32_bytes": 4 * s.values, "state_layers": len(s.layers)}
 
