@@ -1,7 +1,7 @@
 """DAMP against uniform recurrent-state quantization on the trained fixtures, decoding token by token.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/damp.py [--quick] [--fixtures tiny-gdn,tiny-kda] [--json]
-        [--arms 'int:9;damp:9.5,alloc=water'] [--windows N] [--stats DIR]
+        [--arms 'int:9;damp:9.5,alloc=water'] [--windows N] [--stats DIR] [--text heldout|docstrings] [--batch B]
 
 For each fixture: `accel calibrate --for state` on training text (windows of `accel.fixtures.corpus.train_text`),
 then every arm decodes the same held-out windows (`heldout_text`, never trained on) one token at a time through
@@ -16,7 +16,12 @@ bits and at INT9 / 6 / 5's exact bits; its ranking ablations at 9.9 (energy alon
 channels with the same formats); DAMP with water-filled INT-K widths per channel (`alloc=water`, weighted by the
 measured gradient sensitivity) at exactly uniform INT-K's bits (K + 16/d_v: 10.25, 9.25, 8.25, 6.25, 5.25, 4.25 at
 the fixtures' d_v = 64) and at 9.9, with its weighting ablations (energy x persistence, energy alone, random
-weights). `--arms` runs a subset (fp32 always first), `--stats` keeps the calibration.
+weights). `--arms` runs a subset (fp32 always first), `--stats` keeps the calibration. `--text docstrings` evaluates on
+the standard library's docstrings (`accel.fixtures.corpus.docstring_text`, also never trained on, ~3,300
+windows) where the held-out pydoc text's ~57 windows cannot resolve small differences; `--batch` windows decode
+side by side, each through its own quantized state (8-10x faster than one at a time; the tables in
+docs/benchmarks.md before 2026-12-03 18:00 decoded one at a time, `--batch 1`: a float32 state gives the same
+figures to 1e-7, a quantized one a different rounding history, as another text would; docs/architecture.md).
 "No detectable loss" means the ΔNLL interval lies inside ±MARGIN nats/token, a margin fixed before the final runs;
 `detectable` says whether the interval excludes zero.
 Also reported: the share of INT8 error energy in the top 10% of channels, and the split-half rank correlations.
@@ -46,7 +51,7 @@ from accel.eval.data import token_windows
 from accel.eval.load import load_causal_lm
 from accel.eval.perplexity import decode_nll
 from accel.eval.stats import paired_bootstrap
-from accel.fixtures.corpus import heldout_text, train_text
+from accel.fixtures.corpus import docstring_text, heldout_text, train_text
 from accel.quantize.damp import damp_map, parse_damp_arg
 from accel.quantize.maps import parse_spec
 from accel.runtime.state_shapes import state_shape
@@ -119,21 +124,32 @@ def stored_map(spec: str, loaded, stats, seed: int):
 
 
 class _LogProbs:
-    """Calls the model and keeps each step's next-token log-probabilities (decode_nll sees the model unchanged)."""
+    """Calls the model and keeps each step's next-token log-probabilities [batch, vocab] (decode_nll sees the model
+    unchanged); given the reference arm's steps, it keeps only each step's KL from them instead ([batch])."""
 
-    def __init__(self, model):
-        self.model, self.steps = model, []
+    def __init__(self, model, ref_steps: list | None = None):
+        self.model, self.ref_steps, self.steps = model, ref_steps, []
 
     def __call__(self, **kwargs):
         out = self.model(**kwargs)
-        self.steps.append(torch.log_softmax(out.logits[0, -1].double(), dim=-1))
+        logp = torch.log_softmax(out.logits[:, -1].double(), dim=-1)
+        if self.ref_steps is None:
+            self.steps.append(logp)
+        else:
+            ref = self.ref_steps[len(self.steps)]
+            self.steps.append((ref.exp() * (ref - logp)).sum(dim=-1))
         return out
 
 
-def mean_kl(ref_steps: list, steps: list, windows: int) -> np.ndarray:
-    """Per window, the mean over its tokens of KL(fp32 arm || this arm) of the next-token distributions."""
-    per_token = np.array([float((r.exp() * (r - a)).sum()) for r, a in zip(ref_steps, steps)])
-    return per_token.reshape(windows, -1).mean(axis=1)
+def mean_kl(kl_steps: list, windows: int, seq_len: int) -> np.ndarray:
+    """Per window, the mean over its tokens of KL(fp32 arm || this arm) of the next-token distributions.
+
+    `kl_steps` holds one [batch] tensor per decode step, the steps of each batch of windows in turn."""
+    per_step = seq_len - 1
+    out = [torch.stack(kl_steps[i:i + per_step]).mean(dim=0) for i in range(0, len(kl_steps), per_step)]
+    result = torch.cat(out).numpy()
+    assert result.size == windows
+    return result
 
 
 def run_fixture(name: str, args) -> dict:
@@ -146,7 +162,8 @@ def run_fixture(name: str, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         calib_report = write_state_stats(Path(tmp), stats)
     calib_seconds = time.perf_counter() - started
-    windows = token_windows(loaded.tokenizer, heldout_text(), args.seq_len, args.windows)
+    text = heldout_text() if args.text == "heldout" else docstring_text()
+    windows = token_windows(loaded.tokenizer, text, args.seq_len, args.windows)
     d_v = stats["shape"].d_v
     arms = (QUICK_UNIFORM + QUICK_DAMP) if args.quick else (UNIFORM + damp_arms(d_v))
     if args.arms:
@@ -157,14 +174,16 @@ def run_fixture(name: str, args) -> dict:
         method, _ = parse_spec("state", spec)
         method.check(stored, loaded.config)
         runtime = method.runtime(stored, loaded.model)
-        capture = _LogProbs(loaded.model)
+        capture = _LogProbs(loaded.model, ref_steps)
         t = time.perf_counter()
-        arm = decode_nll(capture, windows, runtime.make_cache)
+        arm = decode_nll(capture, windows, runtime.make_cache, batch=args.batch)
         seconds = time.perf_counter() - t
         rep = runtime.report()
         if ref is None:
             ref, ref_steps = arm, capture.steps
-        kl = mean_kl(ref_steps, capture.steps, len(windows))
+            kl = np.zeros(len(windows))
+        else:
+            kl = mean_kl(capture.steps, len(windows), args.seq_len)
         per_window[spec] = (arm.nll, kl)
         delta = paired_bootstrap(arm.nll, ref.nll, seed=0)
         kl_ci = paired_bootstrap(kl, np.zeros_like(kl), seed=0)
@@ -194,8 +213,8 @@ def run_fixture(name: str, args) -> dict:
                             "kl_diff": dk.mean, "kl_diff_ci": [dk.low, dk.high],
                             "kl_ratio": float(per_window[a][1].mean() / per_window[b][1].mean())})
     return {"fixture": name, "arch": stats["shape"].arch, "shape": stats["shape"].to_json(),
-            "windows": len(windows), "seq_len": args.seq_len, "calib_windows": len(calib_windows),
-            "calib_seconds": calib_seconds,
+            "windows": len(windows), "seq_len": args.seq_len, "text": args.text, "batch": args.batch,
+            "calib_windows": len(calib_windows), "calib_seconds": calib_seconds,
             "calibration": {k: v for k, v in calib_report.items() if k not in ("plots",)}, "arms": rows,
             "matched": matched}
 
@@ -205,6 +224,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer windows and arms")
     parser.add_argument("--fixtures", default="tiny-gdn,tiny-kda")
     parser.add_argument("--windows", type=int, default=None, help="held-out windows (default 16; quick 4)")
+    parser.add_argument("--text", choices=("heldout", "docstrings"), default="heldout",
+                        help="evaluation text: the held-out pydoc paragraphs (about 57 windows of 512) or the "
+                             "standard library's docstrings (about 3,300 windows), both never trained on")
+    parser.add_argument("--batch", type=int, default=32,
+                        help="windows decoded side by side (each through its own state; default 32)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per window (default 512; quick 128)")
     parser.add_argument("--calib-samples", type=int, default=None, help="calibration windows (default 64)")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")

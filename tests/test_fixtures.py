@@ -11,7 +11,7 @@ from accel.converters import open_model
 from accel.converters.aliases import FIXTURES_DIR, alias_table
 from accel.eval.load import load_causal_lm
 from accel.eval.perplexity import window_nll
-from accel.fixtures.corpus import heldout_text, pydoc_train_text
+from accel.fixtures.corpus import docstring_text, heldout_text, pydoc_train_text, train_text
 from accel.runtime.state_shapes import state_shape
 
 EXPECTED = {"tiny-gdn": ("qwen3_5_text", "gdn"), "tiny-kda": ("kimi_linear", "kda")}
@@ -27,6 +27,15 @@ def test_corpus_split_is_disjoint():
     held, train = heldout_text(), pydoc_train_text()
     assert 25_000 < len(held) < 40_000 and len(train) > 10 * len(held)
     assert not any(held[i:i + 200] in train for i in range(0, len(held) - 200, 1000))
+
+
+def test_docstring_text_is_large_and_not_in_the_training_text():
+    docs, train = docstring_text(), train_text()
+    assert len(docs) > 1_000_000  # ~3,300 windows of 512 bytes, against the held-out pydoc text's ~57
+    paragraphs = [p.strip() for p in docs.split("\n\n")]
+    assert len(paragraphs) == len(set(paragraphs))
+    assert not set(paragraphs) & {p.strip() for p in train.split("\n\n")}
+    assert not any(docs[i:i + 200] in train for i in range(0, len(docs) - 200, 20_000))
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
