@@ -254,7 +254,8 @@ def markdown(results: list[dict]) -> str:
         cal = res["calibration"]
         out += [(f"### {res['fixture']} ({res['arch']}, {len(res['shape']['layers'])} layers x "
                 f"{res['shape']['heads']} heads x {res['shape']['d_k']}x{res['shape']['d_v']})"), "",
-                (f"{res['windows']} held-out windows of {res['seq_len']} tokens; calibration {res['calib_windows']} "
+                (f"{res['windows']} windows of {res['seq_len']} tokens of held-out text ({res['text']}, decoded "
+                 f"{res['batch']} at a time); calibration {res['calib_windows']} "
                 f"training windows ({res['calib_seconds']:.0f} s). Top-10% channels hold "
                 f"{cal['top10_energy_share']:.1%} of the INT8 error energy ({cal['top10_score_share']:.1%} of "
                 f"energy x persistence). Split-half rank correlation: energy {cal['energy_rank_corr']:.3f}, "
