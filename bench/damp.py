@@ -19,7 +19,7 @@ the fixtures' d_v = 64) and at 9.9, with its weighting ablations (energy x persi
 weights). `--arms` runs a subset (fp32 always first), `--stats` keeps the calibration. `--text docstrings` evaluates on
 the standard library's docstrings (`accel.fixtures.corpus.docstring_text`, also never trained on, ~3,300
 windows) where the held-out pydoc text's ~57 windows cannot resolve small differences; `--batch` windows decode
-side by side, each through its own quantized state (8-10x faster than one at a time; the tables in
+side by side, each through its own quantized state (9.7x faster per window at 32 on tiny-gdn; the tables in
 docs/benchmarks.md before 2026-12-03 18:00 decoded one at a time, `--batch 1`: a float32 state gives the same
 figures to 1e-7, a quantized one a different rounding history, as another text would; docs/architecture.md).
 "No detectable loss" means the ΔNLL interval lies inside ±MARGIN nats/token, a margin fixed before the final runs;

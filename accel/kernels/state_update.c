@@ -585,29 +585,30 @@ static inline width_rule rule_of(int k, int dv) {
     return w;
 }
 
-// the K-bit field of value i of a row (bits [iK, iK + K) of the little-endian stream)
-static inline uint32_t field_at(const uint8_t *row, int row_bytes, int k, int i) {
-    const int bit = i * k, byte = bit >> 3;
-    uint32_t word = 0;
-    for (int j = 0; j < 3 && byte + j < row_bytes; j++) word |= (uint32_t)row[byte + j] << (8 * j);
-    return (word >> (bit & 7)) & ((1u << k) - 1);
-}
-
-static void unpack_row(const uint8_t *row, width_rule w, int dv, float *out) {
-    for (int i = 0; i < dv; i++)
-        out[i] = (float)((int32_t)(field_at(row, w.row_bytes, w.k, i) ^ (uint32_t)w.flip) - w.bias);
+// A row's K-bit fields (value i at bits [iK, iK + K) of the little-endian stream; d_v * K a multiple of 8, so a row
+// is whole bytes) through a 64-bit accumulator.
+static void unpack_row(const uint8_t *p, width_rule w, int dv, float *out) {
+    uint64_t acc = 0;
+    int nb = 0;
+    const uint32_t mask = (1u << w.k) - 1;
+    for (int i = 0; i < dv; i++) {
+        for (; nb < w.k; nb += 8) acc |= (uint64_t)*p++ << nb;
+        out[i] = (float)((int32_t)(((uint32_t)acc & mask) ^ (uint32_t)w.flip) - w.bias);
+        acc >>= w.k;
+        nb -= w.k;
+    }
 }
 
 // codes = clamp(round-half-even(x * inv), -qmax, qmax), written as fields
-static void pack_row(uint8_t *row, width_rule w, int dv, const float *x, float inv) {
-    memset(row, 0, (size_t)w.row_bytes);
+static void pack_row(uint8_t *o, width_rule w, int dv, const float *x, float inv) {
+    uint64_t acc = 0;
+    int nb = 0;
     for (int i = 0; i < dv; i++) {
         float c = __builtin_roundevenf(x[i] * inv);
         c = c > (float)w.qmax ? (float)w.qmax : (c < (float)-w.qmax ? (float)-w.qmax : c);
-        const uint32_t f = ((uint32_t)((int32_t)c + w.bias) ^ (uint32_t)w.flip) & ((1u << w.k) - 1);
-        const int bit = i * w.k, byte = bit >> 3;
-        const uint32_t word = f << (bit & 7);
-        for (int j = 0; j < 3 && byte + j < w.row_bytes; j++) row[byte + j] |= (uint8_t)(word >> (8 * j));
+        acc |= (uint64_t)(((uint32_t)((int32_t)c + w.bias) ^ (uint32_t)w.flip) & ((1u << w.k) - 1)) << nb;
+        nb += w.k;
+        for (; nb >= 8; nb -= 8, acc >>= 8) *o++ = (uint8_t)acc;
     }
 }
 
@@ -874,31 +875,6 @@ int accel_state_step_water(int B, int H, int dk, int dv, int kda, const int32_t 
 // float16 scale a row (absmax / qmax, at least 2^-24; codes round-half-even(x * (1 / scale)) clamped to +-qmax).
 // The cache calls these for every store and load of a decode step; numpy's bit packing took 10-30 ns a value.
 
-// a row's fields through a 64-bit accumulator (the same stream as pack_row / unpack_row, a few times faster)
-static void pack_row_stream(uint8_t *o, width_rule w, int dv, const float *x, float inv) {
-    uint64_t acc = 0;
-    int nb = 0;
-    for (int i = 0; i < dv; i++) {
-        float c = __builtin_roundevenf(x[i] * inv);
-        c = c > (float)w.qmax ? (float)w.qmax : (c < (float)-w.qmax ? (float)-w.qmax : c);
-        acc |= (uint64_t)(((uint32_t)((int32_t)c + w.bias) ^ (uint32_t)w.flip) & ((1u << w.k) - 1)) << nb;
-        nb += w.k;
-        for (; nb >= 8; nb -= 8, acc >>= 8) *o++ = (uint8_t)acc;
-    }
-}
-
-static void unpack_row_stream(const uint8_t *p, width_rule w, int dv, float scale, float *out) {
-    uint64_t acc = 0;
-    int nb = 0;
-    const uint32_t mask = (1u << w.k) - 1;
-    for (int i = 0; i < dv; i++) {
-        for (; nb < w.k; nb += 8) acc |= (uint64_t)*p++ << nb;
-        out[i] = (float)((int32_t)(((uint32_t)acc & mask) ^ (uint32_t)w.flip) - w.bias) * scale;
-        acc >>= w.k;
-        nb -= w.k;
-    }
-}
-
 int accel_state_encode_int_rows(const float *x, long n, int dv, int k, uint8_t *codes, uint16_t *scales,
                                 int threads) {
     if (k < 2 || k > 16 || k == 8 || (dv * k) % 8) return -1;
@@ -914,7 +890,7 @@ int accel_state_encode_int_rows(const float *x, long n, int dv, int k, uint8_t *
         float sc = amax / (float)w.qmax;
         if (sc < 0x1p-24f) sc = 0x1p-24f;
         scales[r] = float_to_half_bits(sc);
-        pack_row_stream(codes + r * w.row_bytes, w, dv, row, 1.0f / half_bits_to_float(scales[r]));
+        pack_row(codes + r * w.row_bytes, w, dv, row, 1.0f / half_bits_to_float(scales[r]));
     }
     return 0;
 }
@@ -924,7 +900,11 @@ int accel_state_decode_int_rows(const uint8_t *codes, const uint16_t *scales, lo
     if (k < 2 || k > 16 || k == 8 || (dv * k) % 8) return -1;
     const width_rule w = rule_of(k, dv);
 #pragma omp parallel for num_threads(threads) schedule(static) if (n * dv > (1 << 16))
-    for (long r = 0; r < n; r++)
-        unpack_row_stream(codes + r * w.row_bytes, w, dv, half_bits_to_float(scales[r]), out + r * dv);
+    for (long r = 0; r < n; r++) {
+        float *o = out + r * dv;
+        unpack_row(codes + r * w.row_bytes, w, dv, o);
+        const float s = half_bits_to_float(scales[r]);
+        for (int j = 0; j < dv; j++) o[j] *= s;
+    }
     return 0;
 }
