@@ -32,7 +32,8 @@ demo: $(STAMP) $(DEMO_DATA)
 	$(BIN)/accel eval $(DEMO_DIR)/smollm2-rtn4 --data $(DEMO_DATA) --reference smollm2-135m --windows 8 --seq-len 256
 
 # Triton (no GPU here) in its own directory, not in .venv: the Triton kernels' logic is checked on the CPU under
-# Triton's interpreter in a second pytest run, and the main suite never sees Triton
+# Triton's interpreter in a second pytest run, their compilation for Hopper (sm_90, Triton's pipeline and ptxas,
+# no GPU) in a third, and the main suite never sees Triton
 TRITON := build/triton-3.9.0
 $(TRITON)/.installed: $(STAMP)
 	$(BIN)/pip install --quiet --no-deps --target $(TRITON) triton==3.9.0
@@ -43,6 +44,8 @@ test: $(STAMP) $(TRITON)/.installed
 	$(BIN)/python -m pytest -q
 	PYTHONPATH=$(TRITON) TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider \
 		tests/test_kernels_triton.py tests/test_state_update.py -k triton
+	PYTHONPATH=$(TRITON) TRITON_DEFAULT_FP_FUSION=1 $(BIN)/python -m pytest -q -p no:cacheprovider \
+		tests/test_triton_compile.py
 
 clean:
 	rm -rf build .pytest_cache
