@@ -60,6 +60,13 @@ if triton is not None:  # pragma: no cover
         return s
 
     @triton.jit
+    def _slot_rows(slot_ptr, b, h, r, n_hi, n_lo, DK: tl.constexpr):
+        # where head h's rows r live: (is_hi, the row of hi [B, n_hi, DV] or of lo [B, n_lo, DV])
+        sl = tl.load(slot_ptr + h * DK + r)
+        is_hi = sl >= 0
+        return is_hi, tl.where(is_hi, b * n_hi + sl, b * n_lo - sl - 1)
+
+    @triton.jit
     def _damp_step_kernel(slot_ptr, hi_ptr, lo_ptr, scale_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
                           H, n_hi, n_lo, DK: tl.constexpr, DV: tl.constexpr, KDA: tl.constexpr):
         bh = tl.program_id(0)
@@ -67,15 +74,11 @@ if triton is not None:  # pragma: no cover
         h = bh % H
         r = tl.arange(0, DK)
         j = tl.arange(0, DV)
-        sl = tl.load(slot_ptr + h * DK + r)
-        is_hi = sl >= 0
-        hi_row = b * n_hi + tl.where(is_hi, sl, 0)
-        lo_row = b * n_lo + tl.where(is_hi, 0, -sl - 1)
-        hi_off = hi_row[:, None] * DV + j[None, :]
-        lo_off = lo_row[:, None] * DV + j[None, :]
-        hi_vals = tl.load(hi_ptr + hi_off, mask=is_hi[:, None], other=0.0).to(tl.float32)
-        codes = tl.load(lo_ptr + lo_off, mask=(~is_hi)[:, None], other=0).to(tl.float32)
-        sc = tl.load(scale_ptr + lo_row, mask=~is_hi, other=0.0).to(tl.float32)
+        is_hi, row = _slot_rows(slot_ptr, b, h, r, n_hi, n_lo, DK)
+        off = row[:, None] * DV + j[None, :]
+        hi_vals = tl.load(hi_ptr + off, mask=is_hi[:, None], other=0.0).to(tl.float32)
+        codes = tl.load(lo_ptr + off, mask=(~is_hi)[:, None], other=0).to(tl.float32)
+        sc = tl.load(scale_ptr + row, mask=~is_hi, other=0.0).to(tl.float32)
         s = tl.where(is_hi[:, None], hi_vals, codes * sc[:, None])
         s = _step(s, bh, r, j, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, DK, DV, KDA)
         amax = tl.max(tl.abs(s), axis=1)
@@ -83,9 +86,13 @@ if triton is not None:  # pragma: no cover
         inv = 1.0 / scale16.to(tl.float32)
         x = _round_even(s * inv[:, None])
         x = tl.minimum(tl.maximum(x, -127.0), 127.0)
-        tl.store(hi_ptr + hi_off, s.to(tl.float16), mask=is_hi[:, None])
-        tl.store(lo_ptr + lo_off, x.to(tl.int8), mask=(~is_hi)[:, None])
-        tl.store(scale_ptr + lo_row, scale16, mask=~is_hi)
+        # the rows again, from a second load of the slots: kept from above, the [DK, DV] offsets would stay live
+        # across the reductions (ptxas for sm_90 spilled 1.1-1.3 KB a thread at 128 x 128; reloaded: 24-32 bytes)
+        is_hi, row = _slot_rows(slot_ptr, b, h, r, n_hi, n_lo, DK)
+        off = row[:, None] * DV + j[None, :]
+        tl.store(hi_ptr + off, s.to(tl.float16), mask=is_hi[:, None])
+        tl.store(lo_ptr + off, x.to(tl.int8), mask=(~is_hi)[:, None])
+        tl.store(scale_ptr + row, scale16, mask=~is_hi)
 
     @triton.jit
     def _f32_step_kernel(s_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
@@ -94,10 +101,11 @@ if triton is not None:  # pragma: no cover
         bh = tl.program_id(0)
         r = tl.arange(0, DK)
         j = tl.arange(0, DV)
-        off = bh * DK * DV + r[:, None] * DV + j[None, :]
-        s = tl.load(s_ptr + off)
+        s = tl.load(s_ptr + bh * DK * DV + r[:, None] * DV + j[None, :])
         s = _step(s, bh, r, j, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, DK, DV, KDA)
-        tl.store(s_ptr + off, s)
+        # the same addresses written another way, so the compiler rebuilds them here instead of keeping the load's
+        # [DK, DV] pointers live across the step (sm_90, 128 x 128: 224-2400 bytes a thread spilled; this way none)
+        tl.store(s_ptr + bh * DK * DV + (j[None, :] + r[:, None] * DV), s)
 
 
 def _check_dims(dk: int, dv: int) -> None:
