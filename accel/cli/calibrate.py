@@ -19,7 +19,7 @@ def register(app: typer.Typer) -> None:
         samples: int = typer.Option(64, "--samples", "--windows",
                                     help="Number of text windows (drawn with --seed); --windows as in eval."),
         seq_len: int = typer.Option(512, "--seq-len", help="Tokens per window."),
-        seed: int = typer.Option(0, "--seed", help="Seed for window sampling."),
+        seed: int = typer.Option(0, "--seed", min=0, max=2**32 - 1, help="Seed for window sampling."),
         force: bool = typer.Option(False, "--force", help="Replace an existing --out."),
         json_out: bool = JSON_OPTION,
     ) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from accel.cli.common import JSON_OPTION, BarProgress, emit_json, stdout
+from accel.errors import CheckFailed
 
 
 def register(app: typer.Typer) -> None:
@@ -20,7 +21,7 @@ def register(app: typer.Typer) -> None:
         seq_len: int = typer.Option(512, "--seq-len", help="Tokens per window."),
         kv: str = typer.Option(None, "--kv", help="KV-cache quantization spec (SemKV)."),
         state: str = typer.Option(None, "--state", help="Recurrent-state quantization spec (DAMP)."),
-        seed: int = typer.Option(0, "--seed", help="Seed for the bootstrap."),
+        seed: int = typer.Option(0, "--seed", min=0, max=2**32 - 1, help="Seed for the bootstrap."),
         kernels: bool = typer.Option(False, "--kernels", help="Serve an OUT_DIR's quantized weights through the "
                                      "fused decode kernels (QuantLinear) instead of decoding them to dense."),
         batch: int = typer.Option(1, "--batch", help="Windows decoded side by side when a KV or state map makes "
@@ -33,19 +34,27 @@ def register(app: typer.Typer) -> None:
         result = evaluate(model, EvalSettings(data=data, reference=reference, windows=windows, seq_len=seq_len,
                                               seed=seed, kv=kv, state=state, kernels=kernels, batch=batch),
                           BarProgress())
+        finite = math.isfinite(result["nll"])
         if json_out:
             emit_json(result)
-            return
-        stdout.print(f"ppl {result['ppl']:.4f}  nll {result['nll']:.5f} nats/token  "
-                     f"({result['windows']} windows, {result['tokens']} tokens)")
-        if "state_bits_per_value" in result:
-            stdout.print(f"state ({result['state']['method']}): {result['state_bits_per_value']:.3f} bits per value, "
-                         f"{result['state_bytes']:.0f} bytes per sequence (float32: {result['state_fp32_bytes']})")
-        if "kv_bytes_per_token" in result:
-            stdout.print(f"kv ({result['kv']['method']}): {result['kv_bytes_per_token']:.1f} bytes per token "
-                         f"(fp16: {result['kv_fp16_bytes_per_token']}, {result['kv_reduction']:.2f}x smaller)")
-        if "ref_ppl" in result:
-            lo, hi = result["delta_nll_ci"]
-            ci = "(one window: no interval)" if math.isnan(lo) else f"[{lo:+.5f}, {hi:+.5f}] (95% bootstrap)"
-            stdout.print(f"reference ppl {result['ref_ppl']:.4f}  ΔNLL {result['delta_nll']:+.5f} {ci}  "
-                         f"ppl ratio {result['ppl_ratio']:.4f}")
+        else:
+            _print(result)
+        if not finite:
+            raise CheckFailed("the model's NLL is not finite (NaN or Inf in its outputs); `accel verify` names "
+                              "the tensors that decode to non-finite values")
+
+
+def _print(result: dict) -> None:
+    stdout.print(f"ppl {result['ppl']:.4f}  nll {result['nll']:.5f} nats/token  "
+                 f"({result['windows']} windows, {result['tokens']} tokens)")
+    if "state_bits_per_value" in result:
+        stdout.print(f"state ({result['state']['method']}): {result['state_bits_per_value']:.3f} bits per value, "
+                     f"{result['state_bytes']:.0f} bytes per sequence (float32: {result['state_fp32_bytes']})")
+    if "kv_bytes_per_token" in result:
+        stdout.print(f"kv ({result['kv']['method']}): {result['kv_bytes_per_token']:.1f} bytes per token "
+                     f"(fp16: {result['kv_fp16_bytes_per_token']}, {result['kv_reduction']:.2f}x smaller)")
+    if "ref_ppl" in result:
+        lo, hi = result["delta_nll_ci"]
+        ci = "(one window: no interval)" if math.isnan(lo) else f"[{lo:+.5f}, {hi:+.5f}] (95% bootstrap)"
+        stdout.print(f"reference ppl {result['ref_ppl']:.4f}  ΔNLL {result['delta_nll']:+.5f} {ci}  "
+                     f"ppl ratio {result['ppl_ratio']:.4f}")

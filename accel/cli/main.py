@@ -80,7 +80,16 @@ def _dispatch(argv: list[str]) -> int:
         stderr.print("aborted")
         return 130
     except _USAGE as exc:  # usage errors: bad option, missing argument
+        if want_json:
+            emit_json({"ok": False, "error": exc.format_message()})
         exc.show()
+        return 2
+    except OSError as exc:  # the system refused a read or write (permissions, a full disk, a special file)
+        where = f": {exc.filename}" if exc.filename else ""
+        message = f"{exc.strerror or exc}{where}"
+        if want_json:
+            emit_json({"ok": False, "error": message})
+        stderr.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True, markup=True)
         return 2
     except AccelError as exc:
         message = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__

@@ -22,7 +22,7 @@ def register(app: typer.Typer) -> None:
         state: str = typer.Option(None, "--state", help="damp[:BITS] recurrent-state channel map."),
         tune_steps: int = typer.Option(0, "--tune-steps", help="leechN: refit the fp16 row scales by KL to the "
                                        "source model on the calibration windows, this many steps (docs/leech.md)."),
-        seed: int = typer.Option(0, "--seed", help="Seed for every randomized step."),
+        seed: int = typer.Option(0, "--seed", min=0, max=2**32 - 1, help="Seed for every randomized step."),
         jobs: int = typer.Option(None, "--jobs", help="Worker processes for heavy methods (default: one per core)."),
         force: bool = typer.Option(False, "--force", help="Replace an existing --out."),
         json_out: bool = JSON_OPTION,

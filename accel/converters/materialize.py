@@ -49,17 +49,26 @@ def _as_float32(name: str, value: np.ndarray | torch.Tensor) -> torch.Tensor:
     raise AccelError(f"tensor {name!r} is a {type(value).__name__}, not a numpy array or torch tensor")
 
 
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
 def _empty_model(config: Mapping[str, Any], attn_implementation: str | None) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     model_type = config.get("model_type")
     if not isinstance(model_type, str):
         raise AccelError('the model config has no "model_type"')
+    if model_type not in CONFIG_MAPPING:
+        raise AccelError(f"model type {model_type!r} is not known to transformers {_transformers_version()}")
     kwargs = {k: v for k, v in config.items() if k not in _NOT_MODEL_KEYS}
     try:
         hf_config = AutoConfig.for_model(model_type, **kwargs)
-    except (ValueError, KeyError) as err:
-        raise AccelError(f"model type {model_type!r} is not known to transformers: {one_line(err)}") from err
+    except Exception as err:  # transformers' config classes validate with their own exception types
+        raise AccelError(f"the model config is not a valid {model_type!r} config: {one_line(err)}") from err
     extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     try:
         with _parameters_on_meta():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,25 @@ from accel.progress import SILENT, Progress
 
 
 def is_accel_output(spec: str | Path) -> bool:
-    return Path(spec).is_dir() and (Path(spec) / MANIFEST_FILE).is_file()
+    """True for an OUT_DIR of `accel quantize`; an OUT_DIR that lost its accel.json is refused, not read as a source
+    model (whose loader would stumble on the packed codes)."""
+    path = Path(spec)
+    if not path.is_dir():
+        return False
+    if (path / MANIFEST_FILE).is_file():
+        return True
+    if _json_object(path / "config.json").get("accel") is not None:  # the section accel quantize adds
+        raise AccelError(f"{path}: an accel output without its {MANIFEST_FILE} (the manifest); write it again with "
+                         f"accel quantize")
+    return False
+
+
+def _json_object(path: Path) -> dict:
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
 
 
 @dataclass

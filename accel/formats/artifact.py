@@ -89,8 +89,8 @@ class Artifact:
                 if name in self.owner:
                     raise FormatError(f"{f.path.name}: tensor '{name}' also appears in {self.owner[name].path.name}")
                 self.owner[name] = f
-        self.manifest = self._read_json(MANIFEST_FILE) if self.path.is_dir() else None
-        self.config = self._read_json("config.json") if self.path.is_dir() else None
+        self.manifest = self._read_object(MANIFEST_FILE) if self.path.is_dir() else None
+        self.config = self._read_object("config.json") if self.path.is_dir() else None
         self.extra = {k: v for k, v in self.files[0].doc.items()
                       if k not in ("format", "version", "tensors", "checksums")} if self.files else {}
 
@@ -117,6 +117,12 @@ class Artifact:
         if not single.is_file():
             raise FormatError(f"{self.path}: no {WEIGHTS_FILE} or {INDEX_FILE} (not an accel output directory)")
         return [single]
+
+    def _read_object(self, name: str) -> dict | None:
+        doc = self._read_json(name)
+        if doc is not None and not isinstance(doc, dict):
+            raise FormatError(f"{self.root / name}: not a JSON object")
+        return doc
 
     def _read_json(self, name: str) -> Any:
         path = self.root / name

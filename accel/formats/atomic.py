@@ -50,18 +50,33 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def check_output_dir(out: Path, force: bool, inputs: list[Path] = ()) -> None:
-    """Refuse an existing output without --force, and any output that is or holds an input."""
+    """Refuse an existing output without --force, any output that is, holds or aliases an input (paths compared
+    resolved: `..`, symbolic links), an output that is or holds the working directory, and a parent that cannot be
+    written."""
+    if str(out) in ("", "."):
+        raise AccelError("--out must name a directory, not the current one")
     out = Path(out).absolute()
+    real = out.resolve()
     for source in inputs:
         source = Path(source).absolute()
-        if source == out or out in source.parents:
+        if not source.exists():
+            continue
+        resolved = source.resolve()
+        if real in (source, resolved) or real in resolved.parents or out == source or out in source.parents:
             raise AccelError(f"output {out} would overwrite the input {source}; choose another --out")
+    cwd = Path.cwd().resolve()
+    if real == cwd or real in cwd.parents:
+        raise AccelError(f"output {out} is or holds the working directory; choose another --out")
     if out.exists() and not force:
         raise AccelError(f"output {out} already exists; pass --force to replace it")
     if out.exists() and not out.is_dir():
         raise AccelError(f"output {out} exists and is not a directory")
     if not out.parent.is_dir():
         raise AccelError(f"the parent directory of {out} does not exist")
+    try:  # fail now, not after the work: a read-only or special parent
+        os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".probe", dir=out.parent))
+    except OSError as e:
+        raise AccelError(f"cannot write in {out.parent}: {e.strerror or e}") from None
 
 
 @contextlib.contextmanager
@@ -69,7 +84,10 @@ def output_dir(out: Path, force: bool = False, inputs: list[Path] = ()) -> Itera
     """Yield a fresh temporary directory that becomes `out` only when the block succeeds."""
     out = Path(out).absolute()
     check_output_dir(out, force, inputs)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    except OSError as e:
+        raise AccelError(f"cannot write in {out.parent}: {e.strerror or e}") from None
     os.chmod(tmp, 0o777 & ~_umask())
     try:
         yield tmp

@@ -154,6 +154,7 @@ class AffineCodec(Codec, name="affine"):
         """(rows, groups, group) float64 view; a short last group is padded with its own last value."""
         rows, cols = _rows(x.shape)
         flat = np.asarray(x, dtype=np.float64).reshape(rows, cols)
+        group = min(group, max(cols, 1))  # a group wider than a row is the row: no padding to its width
         groups = -(-cols // group)
         pad = groups * group - cols
         if pad:
@@ -192,7 +193,7 @@ class AffineCodec(Codec, name="affine"):
 
     def decode(self, codes, side, params, shape):
         rows, cols = _rows(shape)
-        group, top = params["group"], params["levels"] - 1
+        group, top = min(params["group"], max(cols, 1)), params["levels"] - 1
         groups = -(-cols // group)
         q = np.zeros((rows, groups * group), dtype=np.float32)
         q[:, :cols] = codes.reshape(rows, cols)

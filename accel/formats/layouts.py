@@ -147,7 +147,8 @@ def get_layout(name: str) -> Layout:
     try:
         return Layout.registry[LAYOUT_ALIASES.get(name, name)]
     except KeyError:
-        raise FormatError(f"unknown layout '{name}' (known: {', '.join(sorted(Layout.registry))})") from None
+        known = sorted([*Layout.registry, *LAYOUT_ALIASES])
+        raise FormatError(f"unknown layout '{name}' (known: {', '.join(known)})") from None
 
 
 def convert_layout(stored: np.ndarray, levels: int, count: int, source: str, target: str) -> np.ndarray:

@@ -10,6 +10,7 @@ import numpy as np
 from accel.errors import FormatError
 from accel.formats import dtypes
 from accel.formats.codecs import get_codec
+from accel.formats.layouts import LAYOUT_ALIASES
 
 ROLES = ("quantized", "kept", "map", "data")
 
@@ -83,7 +84,7 @@ def encode_tensor(name: str, x: np.ndarray, codec: str, *, role: str = "quantize
     """Encode `x` with a registered codec; returns the entry and its stored arrays keyed by stored name."""
     impl = get_codec(codec)
     enc = impl.encode(x, **params)
-    layout = layout or impl.default_layout(enc.params)
+    layout = LAYOUT_ALIASES.get(layout, layout) or impl.default_layout(enc.params)  # written by its own name
     parts = dict(enc.side)
     codes = enc.codes if isinstance(enc.codes, dict) else ({"codes": enc.codes} if enc.codes is not None else {})
     streams = impl.streams(enc.params, tuple(np.shape(x)))

@@ -115,7 +115,7 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
     if jobs < 1:
         raise AccelError(f"--jobs must be at least 1, got {jobs}")
     _check_settings(settings)
-    check_output_dir(Path(out), force)
+    check_output_dir(Path(out), force, [Path(model)] + ([Path(settings.calib)] if settings.calib else []))
     method: WeightMethod | None = get_weight_method(settings.weights) if settings.weights else None
     hessians = None
     if settings.calib is not None and method is not None and method.uses_calibration:
@@ -127,7 +127,8 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
     with open_model(model) as source:
         inputs = sorted({Path(p) for p in source.input_files})
         maps = _build_maps(model, dict(source.config), settings, progress)
-        with output_dir(Path(out), force, inputs=inputs + [Path(model)]) as tmp:
+        calib = [Path(settings.calib)] if settings.calib is not None else []
+        with output_dir(Path(out), force, inputs=inputs + [Path(model)] + calib) as tmp:
             names = source.tensor_names()
             progress.stage(f"quantizing ({settings.weights or 'weights kept'})", len(names))
             results: dict[str, Any] = {}

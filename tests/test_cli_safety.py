@@ -1,0 +1,143 @@
+"""What the CLI must never do (overwrite an input, wipe the working directory, print a traceback) and the exit
+codes of the failures a user meets: found by a black-box audit of the contract (2026-12-03)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import make_tiny_llama
+from test_cli import assert_one_line_error, run
+
+from accel.formats.tensor import decode_parts, encode_tensor
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("safety") / "m")
+
+
+def _snapshot(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_force_never_replaces_the_model_however_the_out_path_is_spelled(capsys, model, tmp_path, monkeypatch):
+    before = _snapshot(model)
+    (tmp_path / "empty").mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(model)
+    spelled = [tmp_path / "empty" / ".." / ".." / model.parent.name / model.name]  # through ..
+    for model_arg, out in [(model, spelled[0]), (link, model), (model, link)]:
+        code, _, err = run(capsys, "quantize", model_arg, "--weights", "rtn4", "--out", out, "--force")
+        assert_one_line_error(code, err, 2, "would overwrite the input")
+    assert _snapshot(model) == before
+
+
+def test_force_never_replaces_the_calibration(capsys, model, tmp_path, text_file):
+    calib = tmp_path / "calib"
+    assert run(capsys, "calibrate", model, "--for", "weights", "--data", text_file, "--out", calib,
+               "--samples", "2", "--seq-len", "32")[0] == 0
+    before = _snapshot(calib)
+    code, _, err = run(capsys, "quantize", model, "--weights", "gptq4", "--calib", calib, "--out", calib, "--force")
+    assert_one_line_error(code, err, 2, "would overwrite the input")
+    assert _snapshot(calib) == before
+
+
+@pytest.mark.parametrize("out", ["", "."])
+def test_the_working_directory_is_never_an_output(capsys, model, tmp_path, monkeypatch, out):
+    work = tmp_path / "work"
+    (work / "sub").mkdir(parents=True)
+    (work / "precious.txt").write_text("keep")
+    monkeypatch.chdir(work)
+    code, _, err = run(capsys, "quantize", model, "--weights", "rtn4", "--out", out, "--force")
+    assert_one_line_error(code, err, 2, "--out must name a directory")
+    monkeypatch.chdir(work / "sub")
+    code, _, err = run(capsys, "quantize", model, "--weights", "rtn4", "--out", work, "--force")
+    assert_one_line_error(code, err, 2, "working directory")
+    assert (work / "precious.txt").read_text() == "keep"
+
+
+@pytest.mark.skipif(not Path("/proc/self").exists(), reason="needs /proc (Linux)")
+def test_an_unwritable_parent_is_refused_before_any_work(capsys, model):
+    code, out, err = run(capsys, "quantize", model, "--weights", "rtn4", "--out", "/proc/accel-out", "--json")
+    assert_one_line_error(code, err, 2, "cannot write in /proc")
+    assert json.loads(out)["ok"] is False
+
+
+@pytest.mark.parametrize("argv", [["eval", "m", "--data", "t", "--seed", "-1"],
+                                  ["quantize", "m", "--out", "o", "--seed", str(2**64)],
+                                  ["calibrate", "m", "--for", "state", "--data", "t", "--out", "o", "--seed", "-5"]])
+def test_seeds_out_of_range_are_usage_errors(capsys, argv):
+    code, out, err = run(capsys, *argv, "--json")
+    assert code == 2 and "Traceback" not in err and "--seed" in err
+    assert json.loads(out) == {"ok": False, "error": json.loads(out)["error"]} and "--seed" in json.loads(out)["error"]
+
+
+def test_usage_errors_keep_the_json_contract(capsys):
+    code, out, _ = run(capsys, "eval", "m", "--json")
+    assert code == 2 and json.loads(out) == {"ok": False, "error": "Missing option '--data'."}
+
+
+def test_a_manifest_that_is_not_an_object_is_one_line(capsys, model, tmp_path):
+    out = tmp_path / "q"
+    assert run(capsys, "quantize", model, "--weights", "rtn4", "--out", out)[0] == 0
+    (out / "accel.json").write_text("[1, 2]")
+    code, _, err = run(capsys, "inspect", out)
+    assert_one_line_error(code, err, 2, "accel.json: not a JSON object")
+
+
+def test_an_output_without_its_manifest_is_named_as_such(capsys, model, tmp_path, text_file):
+    out = tmp_path / "q"
+    assert run(capsys, "quantize", model, "--weights", "rtn4", "--out", out)[0] == 0
+    (out / "accel.json").unlink()
+    code, _, err = run(capsys, "eval", out, "--data", text_file, "--windows", "1", "--seq-len", "32")
+    assert_one_line_error(code, err, 2, "an accel output without its accel.json")
+
+
+def test_an_inconsistent_config_is_one_line(capsys, tmp_path, text_file):
+    import accel.fixtures
+
+    broken = tmp_path / "gdn"
+    shutil.copytree(Path(accel.fixtures.__file__).parent / "tiny-gdn", broken)
+    config = json.loads((broken / "config.json").read_text())
+    config["num_hidden_layers"] = 2  # its layer_types list four layers
+    (broken / "config.json").write_text(json.dumps(config))
+    code, _, err = run(capsys, "eval", broken, "--data", text_file, "--windows", "1", "--seq-len", "32")
+    assert_one_line_error(code, err, 2, "is not a valid 'qwen3_5_text' config")
+    config["model_type"] = "no_such_model"
+    (broken / "config.json").write_text(json.dumps(config))
+    code, _, err = run(capsys, "eval", broken, "--data", text_file, "--windows", "1", "--seq-len", "32")
+    assert_one_line_error(code, err, 2, "model type 'no_such_model' is not known to transformers")
+    assert len(err) < 200
+
+
+def test_a_non_finite_nll_fails_the_eval(capsys, tmp_path, text_file):
+    poisoned = make_tiny_llama(tmp_path / "nan", poison="lm_head.weight")
+    capsys.readouterr()
+    code, out, err = run(capsys, "eval", poisoned, "--data", text_file, "--windows", "1", "--seq-len", "32",
+                         "--json")
+    assert code == 1 and json.loads(out)["nll"] is None
+    assert "not finite" in err and "Traceback" not in err
+
+
+def test_compact_is_written_as_the_packed_layout_it_names(capsys, model, tmp_path):
+    assert run(capsys, "quantize", model, "--weights", "rtn4", "--layout", "compact", "--out", tmp_path / "c")[0] == 0
+    assert run(capsys, "quantize", model, "--weights", "rtn4", "--out", tmp_path / "p")[0] == 0
+    compact, packed = _snapshot(tmp_path / "c"), _snapshot(tmp_path / "p")
+    del compact["accel.json"], packed["accel.json"]  # they record the --layout asked for
+    assert compact == packed
+    doc = json.loads((tmp_path / "c" / "accel.json").read_text())
+    assert {t["layout"] for t in doc["tensors"].values() if t["role"] == "quantized"} == {"packed"}
+
+
+def test_a_group_wider_than_the_row_is_the_row(rng):
+    x = rng.standard_normal((6, 50))
+    wide, wide_arrays = encode_tensor("w", x, "affine", levels=16, group=10**6)
+    row, row_arrays = encode_tensor("w", x, "affine", levels=16, group=50)
+    assert wide.params["group"] == 10**6  # stored as asked
+    assert all(np.array_equal(wide_arrays[k], row_arrays[k]) for k in row_arrays)
+    parts = {p: wide_arrays[n] for p, n in wide.parts.items()}
+    assert np.array_equal(decode_parts(wide, parts), decode_parts(row, {p: row_arrays[n] for p, n in row.parts.items()}))
