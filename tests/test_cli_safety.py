@@ -141,3 +141,14 @@ def test_a_group_wider_than_the_row_is_the_row(rng):
     assert all(np.array_equal(wide_arrays[k], row_arrays[k]) for k in row_arrays)
     parts = {p: wide_arrays[n] for p, n in wide.parts.items()}
     assert np.array_equal(decode_parts(wide, parts), decode_parts(row, {p: row_arrays[n] for p, n in row.parts.items()}))
+
+
+def test_a_calibration_of_other_weights_with_the_same_shapes_is_refused(capsys, model, tmp_path, text_file):
+    calib = tmp_path / "calib"
+    assert run(capsys, "calibrate", model, "--for", "weights", "--data", text_file, "--out", calib,
+               "--samples", "2", "--seq-len", "32")[0] == 0
+    twin = make_tiny_llama(tmp_path / "twin", seed=1)  # same shapes, other weights
+    capsys.readouterr()
+    code, _, err = run(capsys, "quantize", twin, "--weights", "gptq4", "--calib", calib, "--out", tmp_path / "x")
+    assert_one_line_error(code, err, 2, "was recorded on a different model: its sha256 of model.safetensors differs")
+    assert run(capsys, "quantize", model, "--weights", "gptq4", "--calib", calib, "--out", tmp_path / "y")[0] == 0

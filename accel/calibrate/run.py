@@ -88,7 +88,7 @@ def calibrate(model: str, data: Path, out: Path, kinds: list[str], settings: Cal
               progress: Progress = SILENT) -> dict[str, Any]:
     """Run the requested kinds on MODEL over DATA into OUT; returns {out, for, windows, tokens, <kind>: report}."""
     from accel.eval.load import load_causal_lm
-    from accel.quantize.pipeline import file_sha256
+    from accel.quantize.pipeline import file_sha256, model_files_sha256
 
     if not kinds:
         raise AccelError("--for is empty: choose from weights, kv, state")
@@ -108,6 +108,7 @@ def calibrate(model: str, data: Path, out: Path, kinds: list[str], settings: Cal
             (tmp / kind).mkdir()
             reports[kind] = run(CalibContext(str(model), loaded, text, windows, tmp / kind, settings, progress))
         manifest = {"producer": f"accel {__version__}", "model": str(model), "for": list(runners),
+                    "model_sha256": model_files_sha256(loaded.input_files),
                     "data": {Path(data).name: file_sha256(Path(data))}, "settings": asdict(settings),
                     "tokens": int(windows.size), "windows": len(windows), "reports": reports}
         atomic_write_text(tmp / CALIB_MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")

@@ -25,7 +25,9 @@ def register(app: typer.Typer) -> None:
         kernels: bool = typer.Option(False, "--kernels", help="Serve an OUT_DIR's quantized weights through the "
                                      "fused decode kernels (QuantLinear) instead of decoding them to dense."),
         batch: int = typer.Option(1, "--batch", help="Windows decoded side by side when a KV or state map makes "
-                                  "eval decode token by token (each through its own cache; faster on small models)."),
+                                  "eval decode token by token (each through its own cache; faster on small models). "
+                                  "Equal to --batch 1 up to float rounding, which a quantized cache can round "
+                                  "differently: per-window NLL then moves by the map's own noise."),
         json_out: bool = JSON_OPTION,
     ) -> None:
         """Perplexity of MODEL on --data; with --reference, the paired ΔNLL and its bootstrap 95% interval."""

@@ -43,6 +43,7 @@ class LoadedModel:
     config: dict[str, Any]
     source_kind: str  # "accel" or "source"
     maps: dict[str, Any] = field(default_factory=dict)  # kind -> accel.quantize.maps.StoredMap (OUT_DIRs only)
+    input_files: list[Path] = field(default_factory=list)  # a source model's files (what calibrations record)
 
 
 def load_decoded_tensors(art: Artifact, progress: Progress = SILENT) -> dict[str, np.ndarray]:
@@ -95,4 +96,5 @@ def load_causal_lm(spec: str | Path, progress: Progress = SILENT, kernels: bool 
             progress.advance()
         progress.close()
         model = build_transformers_model(source.config, tensors)
-        return LoadedModel(model, source.load_tokenizer(), dict(source.config), "source")
+        return LoadedModel(model, source.load_tokenizer(), dict(source.config), "source",
+                           input_files=list(source.input_files))

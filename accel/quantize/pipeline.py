@@ -47,6 +47,23 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def model_files_sha256(files: list[Path]) -> dict[str, str]:
+    """sha256 of a source model's files by name: what a calibration records of its model, and quantize checks."""
+    return {Path(p).name: file_sha256(Path(p)) for p in sorted(set(files)) if Path(p).is_file()}
+
+
+def check_calibration_model(calib: Path, files_sha256: dict[str, str]) -> None:
+    """Refuse a calibration recorded on other model files (older calibrations record none and are not checked)."""
+    try:
+        recorded = json.loads((Path(calib) / CALIB_MANIFEST).read_text(encoding="utf-8")).get("model_sha256")
+    except (OSError, ValueError, AttributeError):
+        return  # a missing or unreadable manifest is reported by the map or Hessian reader that needs it
+    if isinstance(recorded, dict) and recorded and recorded != files_sha256:
+        differ = sorted(n for n in set(recorded) | set(files_sha256) if recorded.get(n) != files_sha256.get(n))
+        raise AccelError(f"--calib {calib} was recorded on a different model: its sha256 of {', '.join(differ)} "
+                         f"differs from this model's")
+
+
 def _check_settings(settings: QuantizeSettings) -> None:
     if settings.weights is None and settings.kv is None and settings.state is None:
         raise AccelError("nothing to quantize: pass --weights (for example --weights rtn4), --kv or --state")
@@ -126,7 +143,10 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
                                      hessians=hessians)
     with open_model(model) as source:
         inputs = sorted({Path(p) for p in source.input_files})
-        maps = _build_maps(model, dict(source.config), settings, progress)
+        maps = _build_maps(model, dict(source.config), settings, progress)  # names a shape mismatch first
+        hashes = model_files_sha256(inputs)
+        if settings.calib is not None:
+            check_calibration_model(Path(settings.calib), hashes)
         calib = [Path(settings.calib)] if settings.calib is not None else []
         with output_dir(Path(out), force, inputs=inputs + [Path(model)] + calib) as tmp:
             names = source.tensor_names()
@@ -179,7 +199,7 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
             manifest = {
                 "producer": f"accel {__version__}",
                 "source": str(model),
-                "inputs": {p.name: file_sha256(p) for p in hashed if p.is_file()},
+                "inputs": hashes | {p.name: file_sha256(p) for p in hashed if p.is_file() and p not in inputs},
                 "settings": asdict(settings),
                 "tensors": summary,
                 "maps": {kind: {"method": m.method, "params": m.params} for kind, m in maps.items()},
