@@ -152,3 +152,13 @@ def test_a_calibration_of_other_weights_with_the_same_shapes_is_refused(capsys, 
     code, _, err = run(capsys, "quantize", twin, "--weights", "gptq4", "--calib", calib, "--out", tmp_path / "x")
     assert_one_line_error(code, err, 2, "was recorded on a different model: its sha256 of model.safetensors differs")
     assert run(capsys, "quantize", model, "--weights", "gptq4", "--calib", calib, "--out", tmp_path / "y")[0] == 0
+
+
+def test_data_and_calib_that_are_not_what_they_should_be_are_named(capsys, model, tmp_path):
+    code, _, err = run(capsys, "eval", model, "--data", tmp_path)
+    assert_one_line_error(code, err, 2, ": a directory; give a UTF-8 text file")
+    code, _, err = run(capsys, "eval", model, "--data", "/dev/null")
+    assert_one_line_error(code, err, 2, "not a regular file")
+    code, _, err = run(capsys, "quantize", model, "--weights", "gptq4", "--calib", tmp_path / "nocal", "--out",
+                       tmp_path / "x")
+    assert_one_line_error(code, err, 2, "nocal: no such directory")

@@ -18,7 +18,8 @@ def register(app: typer.Typer) -> None:
         group: int = typer.Option(64, "--group", help="Group size along the input axis for scalar grids."),
         calib: Path = typer.Option(None, "--calib", help="Calibration directory from `accel calibrate`."),
         layout: str = typer.Option(None, "--layout", help="Code layout: packed, base, planes, onehot."),
-        kv: str = typer.Option(None, "--kv", help="semkv[:auto|LLO/LHI@FRAC] KV-cache precision map."),
+        kv: str = typer.Option(None, "--kv", help="semkv[:auto|BASE|LLO/LHI@FRAC|BASE:LLO/LHI@FRAC] KV-cache "
+                              "precision map (BASE: affine or turbo)."),
         state: str = typer.Option(None, "--state", help="damp[:BITS] recurrent-state channel map."),
         tune_steps: int = typer.Option(0, "--tune-steps", help="leechN: refit the fp16 row scales by KL to the "
                                        "source model on the calibration windows, this many steps (docs/leech.md)."),

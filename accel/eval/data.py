@@ -13,8 +13,11 @@ def read_text(path: Path) -> str:
     """A UTF-8 text file with some non-whitespace content, or a one-line AccelError. A leading byte-order mark
     (Windows editors write one) is file metadata, not text: it is dropped, as Python's utf-8-sig codec does."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise AccelError(f"--data {path}: no such file")
+    if not path.is_file():
+        kind = "a directory" if path.is_dir() else "not a regular file"
+        raise AccelError(f"--data {path}: {kind}; give a UTF-8 text file")
     raw = path.read_bytes()
     try:
         text = raw.decode("utf-8-sig")
