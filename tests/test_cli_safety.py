@@ -162,3 +162,22 @@ def test_data_and_calib_that_are_not_what_they_should_be_are_named(capsys, model
     code, _, err = run(capsys, "quantize", model, "--weights", "gptq4", "--calib", tmp_path / "nocal", "--out",
                        tmp_path / "x")
     assert_one_line_error(code, err, 2, "nocal: no such directory")
+
+
+def test_a_termination_a_finalizer_swallowed_stops_at_the_next_progress_step(capsys, model, tmp_path, monkeypatch):
+    """SIGTERM raises where the main thread is; inside a __del__ Python drops the exception, and the run went on to
+    write its output. The handler's flag is checked again at every progress step."""
+    from accel.cli import common
+    from accel.quantize import pipeline
+
+    monkeypatch.setitem(common.SIGTERM_SEEN, "seen", False)  # restored after the test
+    real = pipeline.keep_tensor
+
+    def keep_then_swallow(*args, **kwargs):
+        common.SIGTERM_SEEN["seen"] = True  # the handler ran; its exception was lost
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "keep_tensor", keep_then_swallow)
+    code, _, err = run(capsys, "quantize", model, "--weights", "rtn4", "--out", tmp_path / "o")
+    assert code == 143 and "terminated" in err
+    assert list(tmp_path.iterdir()) == []  # nothing written, no temporary directory left

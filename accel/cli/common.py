@@ -60,6 +60,20 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like Ctrl-C so that what is half written is removed on the way out."""
+
+
+# set by the CLI's SIGTERM handler. The handler raises Terminated where the main thread is, and Python drops an
+# exception raised inside a finalizer (__del__) with a note on stderr, so the progress calls raise it again
+SIGTERM_SEEN = {"seen": False}
+
+
+def _raise_if_terminated() -> None:
+    if SIGTERM_SEEN["seen"]:
+        raise Terminated()
+
+
 class BarProgress(Progress):
     """Rich progress bars on stderr, one per stage; silent when stderr is not a terminal."""
 
@@ -68,6 +82,7 @@ class BarProgress(Progress):
         self._task = None
 
     def stage(self, description: str, total: int) -> None:
+        _raise_if_terminated()
         self.close()
         self._bar = RichBar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                             TimeElapsedColumn(), console=stderr, transient=True,
@@ -76,6 +91,7 @@ class BarProgress(Progress):
         self._task = self._bar.add_task(description, total=total)
 
     def advance(self, steps: int = 1) -> None:
+        _raise_if_terminated()
         if self._bar is not None:
             self._bar.advance(self._task, steps)
 

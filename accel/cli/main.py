@@ -12,7 +12,7 @@ from rich.markup import escape
 
 from accel import __version__
 from accel.cli import calibrate, eval_cmd, export_ane, inspect_cmd, models, probe, quantize, verify
-from accel.cli.common import emit_json, stderr
+from accel.cli.common import SIGTERM_SEEN, Terminated, emit_json, stderr
 from accel.errors import AccelError, CheckFailed
 
 app = typer.Typer(
@@ -61,9 +61,9 @@ _EXIT, _ABORT, _USAGE = _click_classes("Exit"), _click_classes("Abort"), _click_
 
 
 def main(argv: list[str] | None = None) -> int:
-    _SIGTERM["seen"] = False
+    SIGTERM_SEEN["seen"] = False
     code = _dispatch(sys.argv[1:] if argv is None else argv)
-    if _SIGTERM["seen"]:  # typer turns the interrupt into a plain return of 130
+    if SIGTERM_SEEN["seen"]:  # typer turns the interrupt into a plain return of 130
         stderr.print("terminated")
         return 143
     return code
@@ -102,20 +102,13 @@ def _dispatch(argv: list[str]) -> int:
             stderr.print(f"[bold red]failed:[/] {escape(str(exc))}", soft_wrap=True, markup=True)
         return 1
     except KeyboardInterrupt:  # SIGTERM included (main reports it)
-        if not _SIGTERM["seen"]:
+        if not SIGTERM_SEEN["seen"]:
             stderr.print("interrupted")
         return 130
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread like Ctrl-C so that what is half written is removed on the way out."""
-
-
-_SIGTERM = {"seen": False}
-
-
 def _on_sigterm(signum: int, frame: object) -> None:
-    _SIGTERM["seen"] = True
+    SIGTERM_SEEN["seen"] = True
     raise Terminated()
 
 
