@@ -181,3 +181,17 @@ def test_a_termination_a_finalizer_swallowed_stops_at_the_next_progress_step(cap
     code, _, err = run(capsys, "quantize", model, "--weights", "rtn4", "--out", tmp_path / "o")
     assert code == 143 and "terminated" in err
     assert list(tmp_path.iterdir()) == []  # nothing written, no temporary directory left
+
+
+def test_eval_arguments_are_checked_before_the_model_loads(capsys, model, text_file, monkeypatch):
+    from accel.eval import evaluate
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(evaluate, "load_causal_lm", no_loading)
+    for argv, message in [(["--windows", "0"], "--windows must be at least 1"),
+                          (["--seq-len", "1"], "--seq-len must be at least 2"),
+                          (["--kernels"], "--kernels serves an accel OUT_DIR's quantized weights")]:
+        code, _, err = run(capsys, "eval", model, "--data", text_file, *argv)
+        assert_one_line_error(code, err, 2, message)

@@ -28,12 +28,16 @@ def read_text(path: Path) -> str:
     return text
 
 
-def token_windows(tokenizer, text: str, seq_len: int, windows: int | None) -> np.ndarray:
-    """Token ids as (n, seq_len) int64: consecutive non-overlapping windows from the start of the text."""
+def check_window_args(seq_len: int, windows: int | None) -> None:
     if seq_len < 2:
         raise AccelError(f"--seq-len must be at least 2, got {seq_len}")
     if windows is not None and windows < 1:
         raise AccelError(f"--windows must be at least 1, got {windows}")
+
+
+def token_windows(tokenizer, text: str, seq_len: int, windows: int | None) -> np.ndarray:
+    """Token ids as (n, seq_len) int64: consecutive non-overlapping windows from the start of the text."""
+    check_window_args(seq_len, windows)
     ids = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
     available = ids.size // seq_len
     if available == 0:

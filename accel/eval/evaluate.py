@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from accel.errors import AccelError
-from accel.eval.data import read_text, token_windows
-from accel.eval.load import load_causal_lm
+from accel.eval.data import check_window_args, read_text, token_windows
+from accel.eval.load import is_accel_output, load_causal_lm
 from accel.eval.perplexity import decode_nll, window_nll
 from accel.eval.stats import paired_bootstrap
 from accel.progress import SILENT, Progress
@@ -34,6 +34,10 @@ def evaluate(spec: str | Path, settings: EvalSettings, progress: Progress = SILE
     text = read_text(settings.data)  # validate the data before any model work
     if settings.batch < 1:
         raise AccelError(f"--batch must be at least 1, got {settings.batch}")
+    check_window_args(settings.seq_len, settings.windows)  # before any model work
+    if settings.kernels and not is_accel_output(spec):
+        raise AccelError("--kernels serves an accel OUT_DIR's quantized weights; a source model has none (drop "
+                         "--kernels, or pass an OUT_DIR of accel quantize)")
     torch.manual_seed(settings.seed)
     loaded = load_causal_lm(spec, progress, kernels=settings.kernels)
     windows = token_windows(loaded.tokenizer, text, settings.seq_len, settings.windows)
@@ -47,7 +51,7 @@ def evaluate(spec: str | Path, settings: EvalSettings, progress: Progress = SILE
     progress.close()
     del loaded
     result: dict[str, Any] = {"model": str(spec), "ppl": arm.ppl, "nll": arm.mean, "windows": len(windows),
-                              "tokens": arm.tokens, "seq_len": settings.seq_len,
+                              "tokens": arm.tokens, "seq_len": settings.seq_len, "kernels": settings.kernels,
                               "window_nll": [float(v) for v in arm.nll], **map_report}
     if settings.reference is not None:
         ref_loaded = load_causal_lm(settings.reference, progress)
