@@ -60,6 +60,8 @@ def test_selection_hits_the_budget_with_scales_counted():
     with pytest.raises(AccelError, match="below int8 alone"):
         select_channels(score, shape, 8.0, "fp16", "int8")
     assert select_channels(score, shape, 16.0, "fp16", "int8")[0].all()
+    with pytest.raises(AccelError, match="above fp16 for every channel"):  # was capped at 16 without a word
+        select_channels(score, shape, 100.0, "fp16", "int8")
 
 
 _GDN_CONFIG = json.loads((Path(accel.fixtures.__file__).parent / "tiny-gdn" / "config.json").read_text())
@@ -135,6 +137,10 @@ def test_water_map_budget_is_exact_in_measured_bytes(d_v):
         assert measured == stored.params["bits_per_value"] == scheme.bits_per_value()
         assert bits - 1.0 / shape.channels < measured <= bits + 1e-12  # the most the budget allows
         assert len(stored.params["widths"]) > 2  # more than two tiers
+    top = 16 + 16 / d_v
+    assert damp_map(stats, shape, parse_damp_arg(f"{top},alloc=water")).params["bits_per_value"] == top
+    with pytest.raises(AccelError, match="above int16 for every channel"):
+        damp_map(stats, shape, parse_damp_arg(f"{top + 0.5},alloc=water"))
 
 
 def test_water_map_check_refuses_bad_widths():

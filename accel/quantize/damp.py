@@ -133,6 +133,9 @@ def select_channels(score: np.ndarray, shape: StateShape, bits: float, high: str
     if not b_lo <= bits + 1e-9:
         raise AccelError(f"--state damp:{bits:g} is below {low} alone ({b_lo:g} bits per value at d_v "
                          f"{shape.d_v}); choose at least that, or a lower low= format")
+    if bits > b_hi + 1e-9:
+        raise AccelError(f"--state damp:{bits:g} is above {high} for every channel ({b_hi:g} bits per value at d_v "
+                         f"{shape.d_v}); choose at most that, or a wider high= format")
     total = shape.channels
     n_high = min(total, int(np.floor((bits - b_lo) * total / (b_hi - b_lo) + 1e-9)))
     order = np.argsort(-score.reshape(-1), kind="stable")
@@ -196,8 +199,11 @@ def water_map(stats: dict[str, np.ndarray], shape: StateShape, spec: DampSpec, s
     if not lo <= spec.bits + 1e-9:
         raise AccelError(f"--state damp:{spec.bits:g},alloc=water is below int{WATER_BITS[0]} alone ({lo:g} bits "
                          f"per value at d_v {shape.d_v})")
+    if spec.bits > hi + 1e-9:
+        raise AccelError(f"--state damp:{spec.bits:g},alloc=water is above int{WATER_BITS[-1]} for every channel "
+                         f"({hi:g} bits per value at d_v {shape.d_v})")
     # one step = one more bit for each of a row's d_v values; the budget in steps, scales counted in `base`
-    steps = int(np.floor((min(spec.bits, hi) - base) * shape.channels + 1e-6))
+    steps = int(np.floor((spec.bits - base) * shape.channels + 1e-6))
     taken = water_fill(loss, steps)
     widths = (WATER_BITS[0] + taken).astype(np.uint8).reshape(len(shape.layers), shape.heads, shape.d_k)
     achieved = water_bits(widths, shape.d_v)
