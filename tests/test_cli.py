@@ -271,6 +271,88 @@ def test_corrupt_outputs_are_one_line_errors(capsys, rtn4, tmp_path, corrupt, me
     assert code == 1 and message in json.loads(out)["errors"][0]
 
 
+def _edit_json(name, mutate):
+    def apply(out_dir):
+        doc = json.loads((out_dir / name).read_text())
+        mutate(doc)
+        (out_dir / name).write_text(json.dumps(doc))
+    return apply
+
+
+def _edit_doc(mutate):
+    def apply(out_dir):
+        from test_container import _rewrite_doc
+
+        _rewrite_doc(out_dir / "model.safetensors", mutate)
+    return apply
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda d: (d / "accel.json").unlink(), "accel.json: missing"),
+    (lambda d: (d / "config.json").unlink(), "config.json: missing"),
+    (lambda d: (d / "tokenizer.json").unlink(), "tokenizer.json: missing"),
+    (_edit_json("config.json", lambda c: c.update(hidden_size=48)), "40), the model expects"),
+    (_edit_json("config.json", lambda c: c.update(num_hidden_layers=1)), "unexpected tensor 'model.layers.1."),
+    (_edit_json("config.json", lambda c: c.update(num_hidden_layers=3)), "missing tensor 'model.layers.2."),
+    (_edit_json("config.json", lambda c: c.update(model_type="no_such_arch")), "model type 'no_such_arch'"),
+    (_edit_doc(lambda d: d.update(maps="junk")), "maps: the document's 'maps' is not an object"),
+    (_edit_doc(lambda d: d.update(maps={"kv": {"method": "semkv", "params": {}, "arrays": {}}})),
+     "maps: the kv map names an unknown base quantizer"),
+])
+def test_verify_lists_what_eval_refuses_beside_the_weights(capsys, rtn4, tmp_path, damage, message):
+    """config.json, accel.json, the tokenizer files and the maps are checked as eval's loading checks them: each
+    problem is a fault (exit 1, in `errors`), like a checksum."""
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(rtn4, broken)
+    damage(broken)
+    code, out, err = run(capsys, "verify", broken, "--json")
+    report = json.loads(out)
+    assert code == 1 and not report["ok"] and "Traceback" not in err
+    assert len(report["errors"]) == 1 and message in report["errors"][0], report["errors"]
+
+
+def test_verify_of_an_intact_output_and_of_its_lone_container(capsys, rtn4):
+    report = run_json(capsys, "verify", rtn4)
+    assert report["ok"] and report["errors"] == [] and report["tensors"] == 21
+    assert run_json(capsys, "verify", rtn4 / "model.safetensors")["ok"]  # a container alone: no sidecars to check
+
+
+@pytest.fixture(scope="module")
+def leech_planes(tiny_llama, tmp_path_factory):
+    out = tmp_path_factory.mktemp("q") / "leech-planes"
+    assert main(["quantize", str(tiny_llama), "--weights", "leech2", "--layout", "planes", "--out", str(out)]) == 0
+    return out
+
+
+def test_verify_names_a_planes_tensor_that_holds_no_lattice_points(capsys, leech_planes, tmp_path, text_file):
+    """Every bit of a bit-planes tensor set (checksum updated): coordinates all -1, not a Leech point. A fault naming
+    the tensor (exit 1), as the packed and onehot layouts give, not the lattice library's error (exit 2)."""
+    import hashlib
+    import shutil
+
+    from test_container import _rewrite, _split
+
+    broken = tmp_path / "broken"
+    shutil.copytree(leech_planes, broken)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    header, data = _split(broken / "model.safetensors")
+    start, end = header[f"{name}:codes"]["data_offsets"]
+    data = data[:start] + b"\xff" * (end - start) + data[end:]
+    doc = json.loads(header["__metadata__"]["accel"])
+    assert doc["tensors"][name]["layout"] == "planes"
+    doc["checksums"][f"{name}:codes"] = hashlib.sha256(data[start:end]).hexdigest()
+    header["__metadata__"]["accel"] = json.dumps(doc)
+    _rewrite(broken / "model.safetensors", header, data)
+    code, out, _ = run(capsys, "verify", broken, "--json")
+    report = json.loads(out)
+    assert code == 1 and len(report["errors"]) == 1
+    assert f"tensor '{name}'" in report["errors"][0] and "not a point of the ball" in report["errors"][0]
+    code, _, err = run(capsys, "eval", broken, "--data", text_file)
+    assert_one_line_error(code, err, 2, f"tensor '{name}'")
+
+
 def test_leech2_with_calibration_end_to_end(capsys, tiny_llama, tmp_path, text_file):
     calib = tmp_path / "calib"
     report = run_json(capsys, "calibrate", tiny_llama, "--for", "weights", "--data", text_file, "--out", calib,

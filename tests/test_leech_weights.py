@@ -172,3 +172,32 @@ def test_codec_refuses_a_padded_width_outside_the_bound():
     codec.check_params(params(120), (16, 97))  # under 32 * 24 columns: less than a block, as in version 1
     with pytest.raises(FormatError, match="padded width"):
         codec.check_params(params(144), (16, 97))
+
+
+@pytest.mark.parametrize("layout", ["planes", "onehot"])
+def test_serving_layouts_refuse_non_zero_padding_after_the_parity_bits(rng, layout):
+    """6 blocks: the parity bits fill one byte whose top 2 bits are padding, which must be zero (docs/format.md
+    §4.2); the coordinate planes are whole bytes."""
+    from accel.errors import FormatError
+
+    entry, arrays = _encode(rng.standard_normal((3, 48)), layout=layout)
+    assert entry.shape[0] * entry.params["cols"] // BLOCK == 6
+    _decode(entry, arrays)
+    for bit in (6, 7):
+        codes = arrays["w:codes"].copy()
+        codes[-1] |= 1 << bit
+        with pytest.raises(FormatError, match="tensor 'w': .*non-zero padding"):
+            _decode(entry, {**arrays, "w:codes": codes})
+
+
+@pytest.mark.parametrize("fill,parity", [(0xFF, 0x3F), (0x00, 0x00)])
+def test_bit_planes_refuse_a_vector_outside_the_ball_by_tensor(rng, fill, parity):
+    """Every coordinate -1 (all bits of the 6 blocks set, padding clear): odd with sum -24, not 4 mod 8, so not a
+    Leech point; all bits clear: the origin, shell 0. Either is the reader's FormatError naming the tensor."""
+    from accel.errors import FormatError
+
+    entry, arrays = _encode(rng.standard_normal((3, 48)), layout="planes")
+    codes = np.full_like(arrays["w:codes"], fill)
+    codes[-1] = parity
+    with pytest.raises(FormatError, match="tensor 'w': .*not a point of the ball"):
+        _decode(entry, {**arrays, "w:codes": codes})

@@ -18,7 +18,8 @@ def register(app: typer.Typer) -> None:
         reference: str = typer.Option(None, "--reference", help="Source model to compare decoded tensors with."),
         json_out: bool = JSON_OPTION,
     ) -> None:
-        """Check every checksum, decode every tensor, and report the error against --reference. Exit 1 on a fault."""
+        """Check every checksum, decode every tensor, check the maps, config and tokenizer files eval loads, and
+        report the error against --reference. Exit 1 on a fault."""
         from accel.converters.coreml.export import is_package
 
         if is_package(path):  # a Core ML package from `accel export-ane`

@@ -55,7 +55,8 @@ def _transformers_version() -> str:
     return transformers.__version__
 
 
-def _empty_model(config: Mapping[str, Any], attn_implementation: str | None) -> torch.nn.Module:
+def empty_model(config: Mapping[str, Any], attn_implementation: str | None = None) -> torch.nn.Module:
+    """The causal LM `config` describes, its parameters on the meta device (nothing allocated)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -77,6 +78,40 @@ def _empty_model(config: Mapping[str, Any], attn_implementation: str | None) -> 
         raise AccelError(f"cannot build a causal LM of type {model_type!r}: {one_line(err)}") from err
 
 
+def _parameter_groups(model: torch.nn.Module) -> dict[int, list[str]]:
+    """Parameter id -> every name it has (tied parameters have several)."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return groups
+
+
+def tensor_problems(model: torch.nn.Module, shapes: Mapping[str, tuple[int, ...]], model_type: str) -> list[str]:
+    """What `build_transformers_model` refuses in tensors of these shapes (name -> shape), one line per kind:
+    a name the model does not have, a parameter none of whose names is given, a shape the model does not expect.
+    `model` may live on the meta device (empty_model), so `accel verify` checks an OUT_DIR without its weights."""
+    groups = _parameter_groups(model)
+    param_names = {name for names in groups.values() for name in names}
+    expected = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
+    expected.update({n: tuple(model.get_parameter(n).shape) for n in param_names})
+
+    def first(names: list[str]) -> str:
+        return f"{names[0]!r}" + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")
+
+    problems = []
+    unexpected = sorted(set(shapes) - set(expected))
+    if unexpected:
+        problems.append(f"unexpected tensor {first(unexpected)}: a {model_type} model has no such parameter")
+    missing = sorted(names[0] for names in groups.values() if not any(n in shapes for n in names))
+    if missing:
+        problems.append(f"missing tensor {first(missing)}: the model needs it and it was not given")
+    wrong = sorted(n for n in shapes if n in expected and tuple(shapes[n]) != expected[n])
+    if wrong:
+        problems.append(f"tensor {wrong[0]!r} has shape {tuple(shapes[wrong[0]])}, the model expects "
+                        f"{expected[wrong[0]]}" + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""))
+    return problems
+
+
 def build_transformers_model(
     config: Mapping[str, Any],
     tensors: Mapping[str, np.ndarray | torch.Tensor],
@@ -89,31 +124,17 @@ def build_transformers_model(
     given they must be equal. float32 inputs are used in place (no copy), others are converted; parameters
     have requires_grad False.
     """
-    model = _empty_model(config, attn_implementation)
+    model = empty_model(config, attn_implementation)
 
-    groups: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(param), []).append(name)
+    problems = tensor_problems(model, {n: tuple(t.shape) for n, t in tensors.items()}, config["model_type"])
+    if problems:
+        raise AccelError(problems[0])
+    groups = _parameter_groups(model)
     param_names = {name for names in groups.values() for name in names}
     persistent_buffers = [n for n in model.state_dict(keep_vars=True) if n not in param_names]
-
-    unexpected = sorted(set(tensors) - param_names - set(persistent_buffers))
-    if unexpected:
-        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise AccelError(
-            f"unexpected tensor {unexpected[0]!r}{more}: a {config['model_type']} model has no such parameter"
-        )
-
     for names in sorted(groups.values()):
         given = [n for n in names if n in tensors]
-        if not given:
-            raise AccelError(f"missing tensor {names[0]!r}: the model needs it and it was not given")
-        expected = tuple(model.get_parameter(names[0]).shape)
         value = _as_float32(given[0], tensors[given[0]])
-        for name in given:
-            shape = tuple(tensors[name].shape)
-            if shape != expected:
-                raise AccelError(f"tensor {name!r} has shape {shape}, the model expects {expected}")
         for other in given[1:]:
             if not torch.equal(value, _as_float32(other, tensors[other])):
                 raise AccelError(f"tensors {given[0]!r} and {other!r} are tied in this model but differ")
@@ -125,12 +146,7 @@ def build_transformers_model(
     for name in persistent_buffers:
         if name in tensors:
             buffer = model.get_buffer(name)
-            value = _as_float32(name, tensors[name])
-            if tuple(value.shape) != tuple(buffer.shape):
-                raise AccelError(
-                    f"tensor {name!r} has shape {tuple(value.shape)}, the model expects {tuple(buffer.shape)}"
-                )
-            buffer.copy_(value.to(buffer.dtype))
+            buffer.copy_(_as_float32(name, tensors[name]).to(buffer.dtype))
 
     still_meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if still_meta:

@@ -1,4 +1,5 @@
-"""`accel verify` as a library call: checksums, decode every tensor, compare against a reference model."""
+"""`accel verify` as a library call: checksums, decode every tensor, check what eval loads beside the weights
+(maps, config, tokenizer files), compare against a reference model."""
 
 from __future__ import annotations
 
@@ -8,12 +9,19 @@ from typing import Any
 import numpy as np
 
 from accel.errors import AccelError, FormatError
-from accel.formats.artifact import Artifact
+from accel.formats.artifact import MANIFEST_FILE, Artifact
 from accel.progress import SILENT, Progress
+
+CONFIG_FILE = "config.json"
 
 
 def verify_artifact(path: Path, reference: str | None = None, progress: Progress = SILENT) -> dict[str, Any]:
-    """Every fault found is one line in `errors`; `ok` is true when there are none."""
+    """Every fault found is one line in `errors`; `ok` is true when there are none.
+
+    Faults: a stored tensor whose checksum or decode fails, or that decodes to NaN/Inf; maps that eval's loading
+    refuses; for an OUT_DIR, a missing accel.json or config.json, a config that does not describe the stored
+    tensors, missing tokenizer files; with a reference, tensors that differ in name or shape. A path that does not
+    exist is a usage error (AccelError)."""
     path = Path(path)
     if not path.exists():
         raise AccelError(f"{path}: no such file or directory")
@@ -28,6 +36,7 @@ def verify_artifact(path: Path, reference: str | None = None, progress: Progress
         source = open_model(reference)
     reference_names = set(source.tensor_names()) if source is not None else set()
     errors: list[str] = []
+    faulty: set[str] = set()  # logical tensors with a fault listed
     rel_errors: dict[str, float] = {}
     max_abs = 0.0
     try:
@@ -38,14 +47,21 @@ def verify_artifact(path: Path, reference: str | None = None, progress: Progress
             bad = [s for s in art.entry(name).parts.values() if not owner.checksum_ok(s)]
             if bad:
                 errors.append(f"{owner.path.name}: tensor '{name}': checksum mismatch in stored tensor '{bad[0]}'")
+                faulty.add(name)
                 continue
             try:
                 decoded = art.decode(name, check=False)
-            except FormatError as exc:
+            except FormatError as exc:  # the reader's message names the tensor
                 errors.append(str(exc))
+                faulty.add(name)
+                continue
+            except AccelError as exc:
+                errors.append(f"tensor '{name}': {exc}")
+                faulty.add(name)
                 continue
             if decoded.dtype.kind == "f" and not np.isfinite(decoded).all():
                 errors.append(f"tensor '{name}': decodes to NaN or Inf")
+                faulty.add(name)
                 continue
             if source is None or art.entry(name).role not in ("quantized", "kept"):
                 continue
@@ -62,6 +78,10 @@ def verify_artifact(path: Path, reference: str | None = None, progress: Progress
             rel_errors[name] = float(np.linalg.norm(diff)) / norm if norm > 0 else float(np.linalg.norm(diff))
             max_abs = max(max_abs, float(np.abs(diff).max()) if diff.size else 0.0)
         progress.close()
+        if art.path.is_dir():  # an OUT_DIR: what eval needs beside the weights (a lone container has none of it)
+            errors.extend(directory_faults(art))
+        if not any(art.entry(n).role == "map" for n in faulty):  # a broken map array is listed already
+            errors.extend(map_faults(art))
         if source is not None:
             missing = sorted(n for n in reference_names if n not in art.owner)
             errors.extend(f"tensor '{n}': in the reference but missing from the output" for n in missing)
@@ -76,3 +96,70 @@ def verify_artifact(path: Path, reference: str | None = None, progress: Progress
         report.update({"reference": reference, "max_rel_error": rel_errors[worst] if worst else 0.0,
                        "max_rel_error_tensor": worst, "max_abs_error": max_abs, "rel_error": rel_errors})
     return report
+
+
+def model_config(art: Artifact) -> dict[str, Any] | None:
+    """The Hugging Face config eval builds the model from: config.json less its `accel` object."""
+    if not isinstance(art.config, dict):
+        return None
+    return {k: v for k, v in art.config.items() if k != "accel"}
+
+
+def map_faults(art: Artifact) -> list[str]:
+    """The check eval's loading makes of the maps (accel.quantize.maps: read, then checked against the config)."""
+    from accel.quantize.maps import check_maps, read_maps
+
+    try:
+        maps = read_maps(art)
+        config = model_config(art)
+        if config is not None:
+            check_maps(maps, config)
+    except AccelError as exc:
+        return [f"maps: {exc}"]
+    return []
+
+
+def directory_faults(art: Artifact) -> list[str]:
+    """An OUT_DIR's accel.json, config.json and tokenizer files (docs/format.md §6): present, JSON objects, and the
+    config describing the stored tensors."""
+    faults = []
+    if art.manifest is None:
+        faults.append(f"{MANIFEST_FILE}: missing")
+    elif not isinstance(art.manifest, dict):
+        faults.append(f"{MANIFEST_FILE}: not a JSON object")
+    if art.config is None:
+        faults.append(f"{CONFIG_FILE}: missing, so the model cannot be built")
+    elif not isinstance(art.config, dict):
+        faults.append(f"{CONFIG_FILE}: not a JSON object")
+    else:
+        faults.extend(config_faults(art, model_config(art)))
+    faults.extend(tokenizer_faults(art))
+    return faults
+
+
+def tokenizer_faults(art: Artifact) -> list[str]:
+    """The tokenizer files quantize copied from the source (its accel.json `inputs` name them) are there, and at
+    least one file a tokenizer loads from (a GGUF source's tokenizer is saved by transformers)."""
+    from accel.converters.hf_dir import SUPPORT_FILES, TOKENIZER_MODEL_FILES
+
+    inputs = art.manifest.get("inputs") if isinstance(art.manifest, dict) else None
+    copied = sorted(n for n in inputs if n in SUPPORT_FILES and n != "generation_config.json") \
+        if isinstance(inputs, dict) else []
+    faults = [f"{n}: missing (the source's tokenizer file, copied by quantize)" for n in copied
+              if not (art.root / n).is_file()]
+    if not faults and not any((art.root / n).is_file() for n in TOKENIZER_MODEL_FILES):
+        faults.append(f"no tokenizer file ({', '.join(TOKENIZER_MODEL_FILES)}), so the tokenizer cannot be loaded")
+    return faults
+
+
+def config_faults(art: Artifact, config: dict[str, Any]) -> list[str]:
+    """config.json against the stored tensors: the model it describes, built with its parameters on the meta
+    device (no memory, nothing decoded), refuses them as eval's strict load would (accel.converters.materialize)."""
+    from accel.converters.materialize import empty_model, tensor_problems
+
+    try:
+        model = empty_model(config)
+    except AccelError as exc:
+        return [f"{CONFIG_FILE}: {exc}"]
+    stored = {n: tuple(art.entry(n).shape) for n in art.names if art.entry(n).role in ("quantized", "kept")}
+    return [f"{CONFIG_FILE}: {p}" for p in tensor_problems(model, stored, str(config.get("model_type")))]

@@ -132,6 +132,15 @@ def _unpack_flags(stored: np.ndarray, count: int) -> np.ndarray:
     return np.unpackbits(stored, count=count, bitorder="little")
 
 
+def _unpack_parity(stored: np.ndarray, count: int, what: str) -> np.ndarray:
+    """The parity plane that ends both serving layouts: one bit per block, then zero padding to a whole byte (the
+    coordinate planes, 3 bytes a block, have none); non-zero padding is refused (docs/format.md §4.2, §5)."""
+    tail = count % 8
+    if tail and stored.size and int(stored[-1]) >> tail:
+        raise FormatError(f"{what} have non-zero padding bits after the last block's parity bit")
+    return _unpack_flags(stored, count).astype(np.int16)
+
+
 class _LeechServing(Layout):
     """Base of the leech serving layouts: they store the coordinates of the decoded points."""
 
@@ -148,7 +157,10 @@ class _LeechServing(Layout):
 
     def _indices(self, points: np.ndarray) -> np.ndarray:
         leech = _lattice()
-        ok = leech.is_leech_point(points) & (leech.shell_of(points) >= 2) & (leech.shell_of(points) <= self.max_shell)
+        ok = leech.is_leech_point(points)
+        shells = np.zeros(len(ok), dtype=np.int64)
+        shells[ok] = leech.shell_of(points[ok])  # shell_of raises on a non-lattice row: ask only of lattice points
+        ok &= (shells >= 2) & (shells <= self.max_shell)
         if not ok.all():
             raise FormatError(f"serving layout holds a vector that is not a point of the ball (block {np.argmin(ok)})")
         return leech.point_to_index(points, self.max_shell)
@@ -179,7 +191,7 @@ class LeechPlanesLayout(_LeechServing):
         for j in range(bits):
             u |= _unpack_flags(stored[j * plane : (j + 1) * plane], count * BLOCK).astype(np.int16) << j
         v = np.where(u >= 1 << (bits - 1), u - (1 << bits), u).reshape(count, BLOCK)
-        parity = _unpack_flags(stored[bits * plane :], count).astype(np.int16)
+        parity = _unpack_parity(stored[bits * plane :], count, "leech bit planes")
         return self._indices(2 * v + parity[:, None])
 
 
@@ -215,7 +227,7 @@ class LeechOneHotLayout(_LeechServing):
         if np.any(hits > 1):
             raise FormatError("leech one-hot masks set two magnitudes for one coordinate")
         sign = _unpack_flags(stored[self._levels() * plane : (self._levels() + 1) * plane], n).astype(bool)
-        parity = _unpack_flags(stored[(self._levels() + 1) * plane :], count).astype(np.int16)
+        parity = _unpack_parity(stored[(self._levels() + 1) * plane :], count, "leech one-hot masks")
         x = (2 * k.reshape(count, BLOCK) + parity[:, None]) * np.where(sign.reshape(count, BLOCK), -1, 1)
         return self._indices(x.astype(np.int16))
 
