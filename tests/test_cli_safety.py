@@ -195,3 +195,11 @@ def test_eval_arguments_are_checked_before_the_model_loads(capsys, model, text_f
                           (["--kernels"], "--kernels serves an accel OUT_DIR's quantized weights")]:
         code, _, err = run(capsys, "eval", model, "--data", text_file, *argv)
         assert_one_line_error(code, err, 2, message)
+
+
+def test_a_kv_map_for_a_hybrid_model_is_refused_for_what_it_is(capsys, tmp_path):
+    """It said the --calib had no KV calibration and to run `calibrate --for kv`, which refuses this model."""
+    (tmp_path / "calib").mkdir()
+    code, _, err = run(capsys, "quantize", "tiny-gdn", "--kv", "semkv", "--calib", tmp_path / "calib", "--out",
+                       tmp_path / "o")
+    assert_one_line_error(code, err, 2, "need a model whose every layer is full attention")

@@ -393,6 +393,7 @@ def _kv_report_problem(report: Any) -> str | None:
 def load_kv_calibration(calib: Path, config: dict[str, Any]) -> KVCalibration:
     from accel.formats.artifact import Artifact
 
+    shape = model_kv_shape(config)  # a hybrid model is refused for what it is, before the calibration is read
     path = Path(calib) / KV_CALIB_DIR
     report_path = path / "report.json"
     if not report_path.is_file():
@@ -404,7 +405,6 @@ def load_kv_calibration(calib: Path, config: dict[str, Any]) -> KVCalibration:
     problem = _kv_report_problem(report)
     if problem:
         raise AccelError(f"--calib {calib}: kv/{report_path.name} is damaged ({problem}); calibrate again")
-    shape = model_kv_shape(config)
     if tuple(report["model_shape"]) != shape:
         raise AccelError(f"--calib {calib}: the KV calibration is for {report.get('model_shape')} (layers, KV heads, "
                          f"head dim), the model has {list(shape)}: calibrated on a different model")
