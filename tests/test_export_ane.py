@@ -16,6 +16,7 @@ from accel.converters.coreml.ane_llama import build_ane_llama, llama_dims, logit
 from accel.converters.coreml.encodings import decode_arrays, encoding_names, get_encoding
 from accel.converters.coreml.export import (
     ExportSettings,
+    canonicalize_package,
     export_ane,
     inspect_package,
     read_manifest,
@@ -300,6 +301,82 @@ def test_weight_file_holds_each_weight_once_across_functions(packages):
         # blobs are 64-byte aligned with a header each; norms and rotary tables are small fp16 extras (~5 kB here);
         # a second copy of the matrices would add at least `matrices`
         assert matrices <= stored < matrices + min(matrices, 8000), enc
+
+
+def _files(pkg: Path) -> dict[str, bytes]:
+    return {p.relative_to(pkg).as_posix(): p.read_bytes() for p in sorted(pkg.rglob("*")) if p.is_file()}
+
+
+def _scramble(pkg: Path) -> None:
+    """Rewrite `pkg` as coremltools may write the same package in another process: the spec's map entries in
+    another order (here the `functions` map reversed, a concatenation of messages that parses to an equal
+    one) and random item identifiers in Manifest.json."""
+    import uuid
+
+    from coremltools.proto import Model_pb2
+
+    spec_path = pkg / "Data/com.apple.CoreML/model.mlmodel"
+    spec = Model_pb2.Model()
+    spec.ParseFromString(spec_path.read_bytes())
+    head = Model_pb2.Model()
+    head.CopyFrom(spec)
+    head.mlProgram.ClearField("functions")
+    chunks = [head.SerializeToString()]
+    for name in sorted(spec.mlProgram.functions, reverse=True):
+        one = Model_pb2.Model()
+        one.mlProgram.functions[name].CopyFrom(spec.mlProgram.functions[name])
+        chunks.append(one.SerializeToString())
+    scrambled = b"".join(chunks)
+    again = Model_pb2.Model()
+    again.ParseFromString(scrambled)
+    assert again == spec and scrambled != spec_path.read_bytes()
+    spec_path.write_bytes(scrambled)
+    manifest = json.loads((pkg / "Manifest.json").read_text())
+    ids = {old: str(uuid.uuid4()).upper() for old in manifest["itemInfoEntries"]}
+    manifest["rootModelIdentifier"] = ids[manifest["rootModelIdentifier"]]
+    manifest["itemInfoEntries"] = {ids[k]: v for k, v in reversed(manifest["itemInfoEntries"].items())}
+    (pkg / "Manifest.json").write_text(json.dumps(manifest, indent=2))
+
+
+def test_export_is_byte_deterministic_across_processes_and_canonicalization_keeps_the_model(untied, tmp_path):
+    """The same export in two processes (other hash seeds, other protobuf map orders, other random item ids)
+    writes byte-identical packages; the canonical form is a function of the package's content only."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from coremltools import libmodelpackage
+    from coremltools.proto import Model_pb2
+
+    code = "import sys; from accel.cli.main import main; sys.exit(main(sys.argv[1:]))"
+    pkgs = []
+    for seed in ("1", "2"):
+        pkgs.append(tmp_path / f"seed{seed}.mlpackage")
+        done = subprocess.run([sys.executable, "-c", code, "export-ane", str(untied), "--out", str(pkgs[-1]),
+                               "--encoding", "lut4", "--context", "32", "--prefill", "4", "--no-naive"],
+                              env={**os.environ, "PYTHONHASHSEED": seed}, capture_output=True, text=True,
+                              check=False)
+        assert done.returncode == 0, done.stderr
+    first = _files(pkgs[0])
+    assert first == _files(pkgs[1])
+    # a package that differs only in map order and item ids canonicalizes to the same bytes
+    other = tmp_path / "scrambled.mlpackage"
+    shutil.copytree(pkgs[0], other)
+    _scramble(other)
+    assert _files(other) != first
+    canonicalize_package(other)
+    assert _files(other) == first
+    # the manifest stays valid: libmodelpackage finds the root model and accel's items
+    assert libmodelpackage.ModelPackage.isValid(str(other))
+    pkg = libmodelpackage.ModelPackage(str(other))
+    assert pkg.getRootModel().path().endswith("com.apple.CoreML/model.mlmodel")
+    assert Path(pkg.findItemByNameAuthor("accel-manifest.json", "com.github.accel").path()).is_file()
+    del pkg
+    assert _files(other) == first and read_manifest(other)["encoding"] == "lut4"
+    spec = Model_pb2.Model()
+    spec.ParseFromString(first["Data/com.apple.CoreML/model.mlmodel"])
+    assert sorted(spec.mlProgram.functions) == ["decode", "prefill"]
 
 
 # ------------------------------------------------------------------------------------------- placement

@@ -16,6 +16,7 @@ import logging
 import shutil
 import tempfile
 import time
+import uuid
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -542,6 +543,50 @@ def add_package_items(package: Path, items: dict[str, bytes]) -> None:
             pkg.addItem(str(path), name, ACCEL_AUTHOR, f"accel {name}")
 
 
+# Package item identifiers are UUIDs that libmodelpackage draws at random; accel derives them from the item's
+# path in the package instead, so that the same export writes the same Manifest.json.
+PACKAGE_ITEM_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "https://github.com/accel/mlpackage-item")
+
+
+def package_item_id(path: str) -> str:
+    """The identifier of the package item at `path` (relative to Data/, as Manifest.json records it)."""
+    return str(uuid.uuid5(PACKAGE_ITEM_NAMESPACE, path))
+
+
+def canonicalize_package(package: Path) -> None:
+    """Make a written package byte-deterministic without changing what it holds (accel's post-save step).
+
+    coremltools writes the model spec with protobuf's default serialization, whose map fields (the program's
+    `functions`, every operation's `inputs` and `attributes`) come out in an order that changes from process
+    to process (upb's hash seed), and libmodelpackage names each item of Manifest.json with a random UUID. The
+    spec is re-serialized canonically (map entries sorted by key; it parses back to an equal message, which is
+    checked), and the items are renamed to `package_item_id(path)`, the root model's reference with them."""
+    from coremltools.proto import Model_pb2
+
+    package = Path(package)
+    manifest_path = package / "Manifest.json"
+    doc = json.loads(manifest_path.read_text(encoding="utf-8"))
+    entries = doc["itemInfoEntries"]
+    ids = {old: package_item_id(entry["path"]) for old, entry in entries.items()}
+    if len(set(ids.values())) != len(ids):
+        raise AccelError(f"internal error: {package}: two package items share a path")
+    root = doc.get("rootModelIdentifier")
+    if root is not None:
+        spec_path = package / "Data" / entries[root]["path"]
+        spec = Model_pb2.Model()
+        spec.ParseFromString(spec_path.read_bytes())
+        canonical = spec.SerializeToString(deterministic=True)
+        check = Model_pb2.Model()
+        check.ParseFromString(canonical)
+        if check != spec:
+            raise AccelError(f"internal error: {spec_path}: the canonical spec does not parse back equal")
+        spec_path.write_bytes(canonical)
+        doc["rootModelIdentifier"] = ids[root]
+    doc["itemInfoEntries"] = {ids[old]: entry for old, entry in entries.items()}
+    # libmodelpackage's own layout: 4-space indent, sorted keys, a final newline
+    manifest_path.write_text(json.dumps(doc, indent=4, sort_keys=True) + "\n", encoding="utf-8")
+
+
 def read_package_item(package: Path, name: str) -> bytes:
     """The bytes of one accel item of a package (found through the package manifest)."""
     from accel.errors import FormatError
@@ -647,6 +692,7 @@ def export_ane(model: str | Path, out: Path, settings: ExportSettings, force: bo
         })
         with output_dir(out, force, inputs) as tmp:
             shutil.copytree(mlmodel.package_path, tmp, dirs_exist_ok=True)
+            canonicalize_package(tmp)
         shutil.rmtree(mlmodel.package_path, ignore_errors=True)
         progress.advance()
         progress.close()

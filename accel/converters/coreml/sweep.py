@@ -301,7 +301,7 @@ def interpreter_error(prog, module, inputs) -> float:
 def run_sweep(out: Path, force: bool = False, progress: Progress = SILENT,
               only: list[str] | None = None) -> dict[str, Any]:
     """Write every variant package, `sweep.json` (predictions) and the macOS runner into `out`."""
-    from accel.converters.coreml.export import import_coremltools, quiet_coremltools
+    from accel.converters.coreml.export import canonicalize_package, import_coremltools, quiet_coremltools
     from accel.converters.coreml.placement import ane_placement_report, rules_table
     from accel.formats.atomic import output_dir
 
@@ -322,6 +322,7 @@ def run_sweep(out: Path, force: bool = False, progress: Progress = SILENT,
                                    pass_pipeline=ct.PassPipeline.EMPTY, skip_model_load=True)
             package = f"{variant.name}.mlpackage"
             shutil.copytree(model.package_path, tmp / package)
+            canonicalize_package(tmp / package)  # the same bytes from every run, as export-ane's
             shutil.rmtree(model.package_path, ignore_errors=True)
             doc = report.to_json()
             results.append({"name": variant.name, "primitive": variant.primitive, "description": variant.description,
