@@ -6,6 +6,7 @@ import json
 import math
 import os
 import sys
+import time
 from typing import Any
 
 import typer
@@ -75,23 +76,31 @@ def _raise_if_terminated() -> None:
 
 
 class BarProgress(Progress):
-    """Rich progress bars on stderr, one per stage; silent when stderr is not a terminal."""
+    """Rich progress bars on stderr, one per stage. When stderr is not a terminal (a CI log, a pipe) a bar would be
+    noise: a stage that took at least `LOG_AFTER` seconds writes one line when it ends instead."""
+
+    LOG_AFTER = 2.0
 
     def __init__(self) -> None:
         self._bar: RichBar | None = None
         self._task = None
+        self._stage: tuple[str, int, float] | None = None  # description, total, start (not a terminal)
+        self._done = 0
 
     def stage(self, description: str, total: int) -> None:
         _raise_if_terminated()
         self.close()
+        if not stderr.is_terminal:
+            self._stage, self._done = (description, total, time.perf_counter()), 0
+            return
         self._bar = RichBar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TimeElapsedColumn(), console=stderr, transient=True,
-                            disable=not stderr.is_terminal)
+                            TimeElapsedColumn(), console=stderr, transient=True)
         self._bar.start()
         self._task = self._bar.add_task(description, total=total)
 
     def advance(self, steps: int = 1) -> None:
         _raise_if_terminated()
+        self._done += steps
         if self._bar is not None:
             self._bar.advance(self._task, steps)
 
@@ -99,6 +108,12 @@ class BarProgress(Progress):
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
+        if self._stage is not None:
+            description, total, start = self._stage
+            seconds = time.perf_counter() - start
+            if seconds >= self.LOG_AFTER:
+                stderr.print(f"{description}: {self._done}/{total} in {seconds:.1f} s")
+            self._stage = None
 
 
 def not_available(what: str, issue: int) -> None:
