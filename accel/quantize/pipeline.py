@@ -72,13 +72,13 @@ def _check_settings(settings: QuantizeSettings) -> None:
             parse_spec(kind, getattr(settings, kind))
     if settings.group < 1:
         raise AccelError(f"--group must be positive, got {settings.group}")
-    if settings.calib is not None and not Path(settings.calib).is_dir():
-        raise AccelError(f"--calib {settings.calib}: no such directory (write one with accel calibrate)")
     if settings.tune_steps < 0:
         raise AccelError(f"--tune-steps must be 0 or more, got {settings.tune_steps}")
     if settings.tune_steps and (settings.weights is None or not settings.weights.startswith("leech")
                                 or settings.calib is None):
         raise AccelError("--tune-steps tunes Leech row scales: it needs --weights leech2|3|4 and --calib")
+    if settings.calib is not None and not Path(settings.calib).is_dir():
+        raise AccelError(f"--calib {settings.calib}: no such directory (write one with accel calibrate)")
     if settings.weights is None:
         return
     method = get_weight_method(settings.weights)
