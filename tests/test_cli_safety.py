@@ -203,3 +203,12 @@ def test_a_kv_map_for_a_hybrid_model_is_refused_for_what_it_is(capsys, tmp_path)
     code, _, err = run(capsys, "quantize", "tiny-gdn", "--kv", "semkv", "--calib", tmp_path / "calib", "--out",
                        tmp_path / "o")
     assert_one_line_error(code, err, 2, "need a model whose every layer is full attention")
+
+
+def test_a_calibration_writes_the_same_bytes_twice(capsys, model, tmp_path, text_file):
+    """report.json and calibration.json held wall-clock timings, so no two runs wrote the same bytes."""
+    for name in ("a", "b"):
+        code, out, _ = run(capsys, "calibrate", model, "--for", "weights,kv", "--data", text_file, "--out",
+                           tmp_path / name, "--samples", "2", "--seq-len", "32", "--json")
+        assert code == 0 and "seconds" in json.loads(out)["kv"]  # printed, not written
+    assert _snapshot(tmp_path / "a") == _snapshot(tmp_path / "b")

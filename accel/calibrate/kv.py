@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from accel.calibrate import without_timings
 from accel.calibrate.run import CalibContext, register_kind
 from accel.eval.perplexity import window_nll
 from accel.eval.stats import paired_bootstrap
@@ -424,7 +425,8 @@ def plot_sweep(report: dict[str, Any], path) -> bool:
 def _write(ctx: CalibContext, report: dict[str, Any], quantiles: dict[str, np.ndarray],
            means: dict[str, np.ndarray]) -> None:
     report["plot"] = "sweep.png" if plot_sweep(report, ctx.out_dir / "sweep.png") else None
-    atomic_write_text(ctx.out_dir / "report.json", json.dumps(report, indent=1, sort_keys=True) + "\n")
+    text = json.dumps(without_timings(report), indent=1, sort_keys=True) + "\n"
+    atomic_write_text(ctx.out_dir / "report.json", text)
     atomic_write_text(ctx.out_dir / "sweep.md", sweep_markdown(report))
     tensors = [encode_tensor(f"quantiles.{name}", q.astype(np.float32), "raw", role="data", dtype="float32")
                for name, q in quantiles.items()]

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from accel import __version__
-from accel.calibrate import CALIB_MANIFEST
+from accel.calibrate import CALIB_MANIFEST, without_timings
 from accel.errors import AccelError
 from accel.eval.data import read_text, token_windows
 from accel.formats.atomic import atomic_write_text, output_dir
@@ -110,7 +110,7 @@ def calibrate(model: str, data: Path, out: Path, kinds: list[str], settings: Cal
         manifest = {"producer": f"accel {__version__}", "model": str(model), "for": list(runners),
                     "model_sha256": model_files_sha256(loaded.input_files),
                     "data": {Path(data).name: file_sha256(Path(data))}, "settings": asdict(settings),
-                    "tokens": int(windows.size), "windows": len(windows), "reports": reports}
+                    "tokens": int(windows.size), "windows": len(windows), "reports": without_timings(reports)}
         atomic_write_text(tmp / CALIB_MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return {"out": str(out), "for": list(runners), "windows": len(windows), "tokens": int(windows.size),
             **reports}
