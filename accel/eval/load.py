@@ -36,6 +36,13 @@ def _json_object(path: Path) -> dict:
     return doc if isinstance(doc, dict) else {}
 
 
+def model_config(art: Artifact) -> dict[str, Any] | None:
+    """The Hugging Face config an OUT_DIR's model is built from: its config.json less accel's `accel` section."""
+    if not isinstance(art.config, dict):
+        return None
+    return {k: v for k, v in art.config.items() if k != "accel"}
+
+
 @dataclass
 class LoadedModel:
     model: Any  # a transformers causal LM, float32, eval mode
@@ -69,9 +76,9 @@ def load_causal_lm(spec: str | Path, progress: Progress = SILENT, kernels: bool 
 
     if is_accel_output(spec):
         art = Artifact(Path(spec))
-        if not isinstance(art.config, dict):
+        config = model_config(art)
+        if config is None:
             raise AccelError(f"{spec}: config.json is missing, so the model cannot be built")
-        config = {k: v for k, v in art.config.items() if k != "accel"}
         from accel.quantize.maps import check_maps, read_maps
 
         maps = read_maps(art)

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from accel.errors import AccelError, FormatError
+from accel.eval.load import model_config
 from accel.formats.artifact import MANIFEST_FILE, Artifact
 from accel.progress import SILENT, Progress
 
@@ -96,13 +97,6 @@ def verify_artifact(path: Path, reference: str | None = None, progress: Progress
         report.update({"reference": reference, "max_rel_error": rel_errors[worst] if worst else 0.0,
                        "max_rel_error_tensor": worst, "max_abs_error": max_abs, "rel_error": rel_errors})
     return report
-
-
-def model_config(art: Artifact) -> dict[str, Any] | None:
-    """The Hugging Face config eval builds the model from: config.json less its `accel` object."""
-    if not isinstance(art.config, dict):
-        return None
-    return {k: v for k, v in art.config.items() if k != "accel"}
 
 
 def map_faults(art: Artifact) -> list[str]:

@@ -62,7 +62,7 @@ def check_output_dir(out: Path, force: bool, inputs: list[Path] = ()) -> None:
         if not source.exists():
             continue
         resolved = source.resolve()
-        if real in (source, resolved) or real in resolved.parents or out == source or out in source.parents:
+        if real == resolved or real in resolved.parents:
             raise AccelError(f"output {out} would overwrite the input {source}; choose another --out")
     cwd = Path.cwd().resolve()
     if real == cwd or real in cwd.parents:

@@ -134,7 +134,8 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
     if jobs < 1:
         raise AccelError(f"--jobs must be at least 1, got {jobs}")
     _check_settings(settings)
-    check_output_dir(Path(out), force, [Path(model)] + ([Path(settings.calib)] if settings.calib else []))
+    calib = [Path(settings.calib)] if settings.calib is not None else []  # an input too: never overwritten
+    check_output_dir(Path(out), force, [Path(model)] + calib)
     method: WeightMethod | None = get_weight_method(settings.weights) if settings.weights else None
     hessians = None
     if settings.calib is not None and method is not None and method.uses_calibration:
@@ -149,7 +150,6 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
         hashes = model_files_sha256(inputs)
         if settings.calib is not None:
             check_calibration_model(Path(settings.calib), hashes)
-        calib = [Path(settings.calib)] if settings.calib is not None else []
         with output_dir(Path(out), force, inputs=inputs + [Path(model)] + calib) as tmp:
             names = source.tensor_names()
             progress.stage(f"quantizing ({settings.weights or 'weights kept'})", len(names))
@@ -197,11 +197,10 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
             summary = {e.name: {"codec": e.codec, "layout": e.layout, "role": e.role,
                                 "bytes": int(sum(a.nbytes for a in arrays.values()))} for e, arrays in encoded}
             del encoded
-            hashed = inputs + ([Path(settings.calib) / CALIB_MANIFEST] if settings.calib else [])
             manifest = {
                 "producer": f"accel {__version__}",
                 "source": str(model),
-                "inputs": hashes | {p.name: file_sha256(p) for p in hashed if p.is_file() and p not in inputs},
+                "inputs": hashes | model_files_sha256([c / CALIB_MANIFEST for c in calib]),
                 "settings": asdict(settings),
                 "tensors": summary,
                 "maps": {kind: {"method": m.method, "params": m.params} for kind, m in maps.items()},
