@@ -11,7 +11,17 @@ import typer
 from rich.markup import escape
 
 from accel import __version__
-from accel.cli import calibrate, eval_cmd, export_ane, inspect_cmd, models, probe, quantize, verify
+from accel.cli import (
+    calibrate,
+    eval_cmd,
+    export_ane,
+    generate_cmd,
+    inspect_cmd,
+    models,
+    probe,
+    quantize,
+    verify,
+)
 from accel.cli.common import SIGTERM_SEEN, Terminated, emit_json, stderr
 from accel.errors import AccelError, CheckFailed
 
@@ -38,7 +48,7 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
     pass
 
 
-for module in (models, calibrate, quantize, export_ane, inspect_cmd, verify, eval_cmd):
+for module in (models, calibrate, quantize, export_ane, inspect_cmd, verify, eval_cmd, generate_cmd):
     module.register(app)
 app.add_typer(probe.app, name="probe")
 

@@ -35,13 +35,11 @@ def evaluate(spec: str | Path, settings: EvalSettings, progress: Progress = SILE
     if settings.batch < 1:
         raise AccelError(f"--batch must be at least 1, got {settings.batch}")
     check_window_args(settings.seq_len, settings.windows)  # before any model work
-    if settings.kernels and not is_accel_output(spec):
-        raise AccelError("--kernels serves an accel OUT_DIR's quantized weights; a source model has none (drop "
-                         "--kernels, or pass an OUT_DIR of accel quantize)")
+    check_kernels_spec(spec, settings.kernels)
     torch.manual_seed(settings.seed)
     loaded = load_causal_lm(spec, progress, kernels=settings.kernels)
     windows = token_windows(loaded.tokenizer, text, settings.seq_len, settings.windows)
-    runtime, map_report = _map_runtime(loaded, settings)
+    runtime, map_report = map_runtime(loaded, settings.kv, settings.state)
     progress.stage(f"eval {Path(str(spec)).name}" + (" (token by token)" if runtime else ""), len(windows))
     if runtime is None:
         arm = window_nll(loaded.model, windows, progress.advance)
@@ -68,13 +66,19 @@ def evaluate(spec: str | Path, settings: EvalSettings, progress: Progress = SILE
     return result
 
 
-def _map_runtime(loaded: Any, settings: EvalSettings) -> tuple[Any, dict[str, Any]]:
+def check_kernels_spec(spec: str | Path, kernels: bool) -> None:
+    """--kernels needs an OUT_DIR (checked before any model work)."""
+    if kernels and not is_accel_output(spec):
+        raise AccelError("--kernels serves an accel OUT_DIR's quantized weights; a source model has none (drop "
+                         "--kernels, or pass an OUT_DIR of accel quantize)")
+
+
+def map_runtime(loaded: Any, kv: str | None, state: str | None) -> tuple[Any, dict[str, Any]]:
     """The KV / state runtime to decode through (the OUT_DIR's map, or --kv / --state), and its report keys."""
     from accel.quantize.maps import get_method, parse_spec
 
     maps = dict(loaded.maps)
-    for kind in ("kv", "state"):
-        spec = getattr(settings, kind)
+    for kind, spec in (("kv", kv), ("state", state)):
         if spec is not None:
             method, arg = parse_spec(kind, spec)
             maps[kind] = method.from_eval_spec(arg, loaded.config)
