@@ -212,3 +212,19 @@ def test_a_calibration_writes_the_same_bytes_twice(capsys, model, tmp_path, text
                            tmp_path / name, "--samples", "2", "--seq-len", "32", "--json")
         assert code == 0 and "seconds" in json.loads(out)["kv"]  # printed, not written
     assert _snapshot(tmp_path / "a") == _snapshot(tmp_path / "b")
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_a_closed_stdout_exits_quietly_as_sigpipe(capsys, model, tmp_path, json_flag):
+    """`accel inspect OUT | head`: rich's default and click's both exited 1 ("a check failed")."""
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "q"
+    assert run(capsys, "quantize", model, "--weights", "rtn4", "--out", out)[0] == 0
+    proc = subprocess.Popen([sys.executable, "-c", "from accel.cli.main import run; run()", "inspect", str(out),
+                             *json_flag], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the first write
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 128 + signal.SIGPIPE and err == ""

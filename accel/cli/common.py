@@ -17,9 +17,29 @@ from rich.progress import Progress as RichBar
 from accel.errors import AccelError
 from accel.progress import Progress
 
+
+class OutputClosed(Exception):
+    """Whoever read stdout stopped (`accel inspect OUT | head`). Not an OSError: click would turn that into exit 1,
+    which here means "a check failed"; the CLI's main exits as a tool that SIGPIPE stopped (141), quietly."""
+
+
+class _Console(Console):
+    def on_broken_pipe(self) -> None:  # rich's default exits 1
+        raise OutputClosed()
+
+
+def write_stdout(text: str) -> None:
+    """Write and flush stdout verbatim (not through rich, which drops control characters)."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise OutputClosed() from None
+
+
 # Text from the user (paths, model names, specs such as damp:abc) is printed as it is: no emoji codes (":abc:"
 # would become an emoji) and no markup unless a call asks for it (markup=True with escaped values)
-stderr = Console(stderr=True, highlight=False, emoji=False, markup=False)
+stderr = _Console(stderr=True, highlight=False, emoji=False, markup=False)
 
 
 def _piped_width() -> int | None:
@@ -30,15 +50,14 @@ def _piped_width() -> int | None:
     return None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 10_000
 
 
-stdout = Console(highlight=False, emoji=False, markup=False, width=_piped_width())
+stdout = _Console(highlight=False, emoji=False, markup=False, width=_piped_width())
 
 JSON_OPTION = typer.Option(False, "--json", help="Print one JSON object on stdout (logs and progress go to stderr).")
 
 
 def emit_json(obj: dict[str, Any]) -> None:
     """One JSON object on stdout; NaN and infinities (which json.dumps would write as bare NaN, not JSON) as null."""
-    sys.stdout.write(json.dumps(_finite(obj), sort_keys=True, default=_jsonable, allow_nan=False) + "\n")
-    sys.stdout.flush()
+    write_stdout(json.dumps(_finite(obj), sort_keys=True, default=_jsonable, allow_nan=False) + "\n")
 
 
 def _finite(value: Any) -> Any:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-
 import typer
 
-from accel.cli.common import JSON_OPTION, BarProgress, emit_json, stderr
+from accel.cli.common import JSON_OPTION, BarProgress, emit_json, stderr, write_stdout
 
 
 def register(app: typer.Typer) -> None:
@@ -32,8 +30,7 @@ def register(app: typer.Typer) -> None:
         if json_out:
             emit_json(result)
             return
-        sys.stdout.write(result["prompt"] + result["text"] + "\n")  # verbatim: rich would drop control characters
-        sys.stdout.flush()
+        write_stdout(result["prompt"] + result["text"] + "\n")
         speed = result["tokens_per_second"]
         parts = [f"{result['tokens']} tokens ({'end of text' if result['stopped'] == 'eos' else '--tokens reached'})",
                  f"prefill of {result['prompt_tokens']} tokens {result['prefill_seconds']:.3f} s"]

@@ -22,7 +22,7 @@ from accel.cli import (
     quantize,
     verify,
 )
-from accel.cli.common import SIGTERM_SEEN, Terminated, emit_json, stderr
+from accel.cli.common import SIGTERM_SEEN, OutputClosed, Terminated, emit_json, stderr
 from accel.errors import AccelError, CheckFailed
 
 app = typer.Typer(
@@ -94,6 +94,9 @@ def _dispatch(argv: list[str]) -> int:
             emit_json({"ok": False, "error": exc.format_message()})
         exc.show()
         return 2
+    except OutputClosed:  # whoever read stdout stopped (`| head`): quietly, as a tool that SIGPIPE stopped
+        _discard_stdout()
+        return 128 + signal.SIGPIPE
     except OSError as exc:  # the system refused a read or write (permissions, a full disk, a special file)
         where = f": {exc.filename}" if exc.filename else ""
         message = f"{exc.strerror or exc}{where}"
@@ -115,6 +118,16 @@ def _dispatch(argv: list[str]) -> int:
         if not SIGTERM_SEEN["seen"]:
             stderr.print("interrupted")
         return 130
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's last flush does not fail on the closed pipe again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout is not a file descriptor (a test's capture): nothing to flush there
+        pass
 
 
 def _on_sigterm(signum: int, frame: object) -> None:
