@@ -567,21 +567,19 @@ int accel_state_step_mixed(int B, int H, int dk, int dv, int kda, const int32_t 
 // ---------------------------------------------------------------------------------------------------------------
 // accel_state_step_water: the same step on a water-filled DAMP map, where every channel has its own INT-K width
 // (K = 2..16): symmetric codes on 2^K - 1 levels (qmax = 2^(K-1) - 1), one float16 scale a row (absmax / qmax, at
-// least 2^-24), codes stored as K-bit fields of a little-endian bit stream, value i at bits [iK, (i + 1)K) of its
-// row, as code + qmax (K = 8: the code's own byte, two's complement) — the runtime's storage
+// least 2^-24), codes stored as K-bit two's complement fields of a little-endian bit stream, value i at bits
+// [iK, (i + 1)K) of its row (K = 8: the code's own byte) — the runtime's storage
 // (accel.runtime.state_cache, `StateScheme(row_formats=...)`): per width one stream of the rows of that width
 // (batch-major), d_v * K / 8 bytes a row. width[h * dk + r] is row r's K, slot[h * dk + r] its index among the
 // rows of its width, n_rows[K] their count (per batch element), codes[K] / scales[K] the width's stream.
 
-typedef struct {  // how a row of width K is stored: code = ((field ^ flip) - bias), field = (code + bias) ^ flip
+typedef struct {  // a row of width K: field = code mod 2^K, code = the field sign-extended from bit K - 1
     int k, row_bytes;
-    int32_t qmax, bias, flip;
+    int32_t qmax;
 } width_rule;
 
 static inline width_rule rule_of(int k, int dv) {
-    width_rule w = {k, dv * k / 8, (1 << (k - 1)) - 1, 0, 0};
-    w.bias = k == 8 ? 128 : w.qmax;
-    w.flip = k == 8 ? 0x80 : 0;
+    width_rule w = {k, dv * k / 8, (1 << (k - 1)) - 1};
     return w;
 }
 
@@ -593,7 +591,7 @@ static void unpack_row(const uint8_t *p, width_rule w, int dv, float *out) {
     const uint32_t mask = (1u << w.k) - 1;
     for (int i = 0; i < dv; i++) {
         for (; nb < w.k; nb += 8) acc |= (uint64_t)*p++ << nb;
-        out[i] = (float)((int32_t)(((uint32_t)acc & mask) ^ (uint32_t)w.flip) - w.bias);
+        out[i] = (float)((int32_t)(((uint32_t)acc & mask) << (32 - w.k)) >> (32 - w.k));
         acc >>= w.k;
         nb -= w.k;
     }
@@ -606,7 +604,7 @@ static void pack_row(uint8_t *o, width_rule w, int dv, const float *x, float inv
     for (int i = 0; i < dv; i++) {
         float c = __builtin_roundevenf(x[i] * inv);
         c = c > (float)w.qmax ? (float)w.qmax : (c < (float)-w.qmax ? (float)-w.qmax : c);
-        acc |= (uint64_t)(((uint32_t)((int32_t)c + w.bias) ^ (uint32_t)w.flip) & ((1u << w.k) - 1)) << nb;
+        acc |= (uint64_t)((uint32_t)(int32_t)c & ((1u << w.k) - 1)) << nb;
         nb += w.k;
         for (; nb >= 8; nb -= 8, acc >>= 8) *o++ = (uint8_t)acc;
     }
@@ -615,12 +613,13 @@ static void pack_row(uint8_t *o, width_rule w, int dv, const float *x, float inv
 #if W == 16 && defined(__AVX512VBMI__)
 // --- vector path (AVX-512 VBMI, d_v = 16..128 in steps of 16): a block of 16 values of a K-bit row is 2K bytes.
 typedef struct {
-    __m512i unpack_idx, unpack_shift;  // per value: its 4 bytes from the block, then its bit offset in them
+    __m512i unpack_idx, unpack_lift;   // per value: its 4 bytes from the block, then 32 - K - its bit offset
     __m512i pack_shift, idx_a, idx_b;  // the packing of 16 fields into 2K bytes (see pack16)
     __mmask64 mask_a, mask_b, block;   // the bytes each half of the packing writes; the block's 2K bytes
     __m512i idx_a2, idx_b2;            // the same for two blocks at once (4K bytes, the second from `quad1`)
     __mmask64 mask_a2, mask_b2, block2;
-    __m512i field, flip, bias, qmax, neg_qmax;
+    __m512i field, sign_shift;  // 2^K - 1; 32 - K (the arithmetic shift that sign-extends a lifted field)
+    __m512 qmax;
     __m512i pair_shift, quad_shift;  // 32 - K and 2K in every qword (per-lane shifts: no port-5 uop)
 } width_tables;
 
@@ -630,10 +629,10 @@ static void make_tables(width_tables *t, width_rule w) {
     int32_t us[16];
     for (int i = 0; i < 16; i++) {
         for (int j = 0; j < 4; j++) ui[4 * i + j] = (uint8_t)(((i * k) >> 3) + j);
-        us[i] = (i * k) & 7;
+        us[i] = 32 - k - ((i * k) & 7);
     }
     t->unpack_idx = _mm512_loadu_si512(ui);
-    t->unpack_shift = _mm512_loadu_si512(us);
+    t->unpack_lift = _mm512_loadu_si512(us);
     // after pairing, qword 2L of the packed vector holds fields 4L..4L+3 (4K bits); it starts at bit 4K * L of the
     // block, so lanes 1 and 3 are first shifted by (4K mod 8) and the bytes of lanes 0, 2 and of lanes 1, 3 are
     // gathered separately (a byte where two lanes meet gets a nibble from each) and or-ed
@@ -666,27 +665,25 @@ static void make_tables(width_tables *t, width_rule w) {
     t->mask_b2 = t->mask_b | (t->mask_b << (2 * k));
     t->block2 = 4 * k == 64 ? ~0ULL : (1ULL << (4 * k)) - 1;
     t->field = _mm512_set1_epi32((1 << k) - 1);
-    t->flip = _mm512_set1_epi32(w.flip);
-    t->bias = _mm512_set1_epi32(w.bias);
-    t->qmax = _mm512_set1_epi32(w.qmax);
-    t->neg_qmax = _mm512_set1_epi32(-w.qmax);
+    t->sign_shift = _mm512_set1_epi32(32 - k);
+    t->qmax = _mm512_set1_ps((float)w.qmax);
     t->pair_shift = _mm512_set1_epi64(32 - k);
     t->quad_shift = _mm512_set1_epi64(2 * k);
 }
 
 // the 16 codes of a block, as float
 static inline vf unpack16(const uint8_t *p, const width_tables *t) {
-    __m512i f = _mm512_permutexvar_epi8(t->unpack_idx, _mm512_maskz_loadu_epi8(t->block, p));
-    f = _mm512_and_si512(_mm512_srlv_epi32(f, t->unpack_shift), t->field);
-    return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_xor_si512(f, t->flip), t->bias));
+    const __m512i f = _mm512_permutexvar_epi8(t->unpack_idx, _mm512_maskz_loadu_epi8(t->block, p));
+    return _mm512_cvtepi32_ps(_mm512_srav_epi32(_mm512_sllv_epi32(f, t->unpack_lift), t->sign_shift));
 }
 
 // codes = clamp(round-half-even(x * inv), -qmax, qmax) of 16 values as K-bit fields, gathered by fours: qword 2L of
 // the result holds fields 4L..4L+3 (4K bits), shifted left by (4K mod 8) in lanes 1 and 3 (see make_tables)
 static inline __m512i quad16(vf x, vf inv, const width_tables *t) {
-    __m512i c = _mm512_cvtps_epi32(VMUL(x, inv));
-    c = _mm512_min_epi32(_mm512_max_epi32(c, t->neg_qmax), t->qmax);
-    const __m512i f = _mm512_xor_si512(_mm512_add_epi32(c, t->bias), t->flip);  // fields, K bits each
+    // clamped to +-qmax before rounding (vrangeps 0x02: the smaller magnitude with x's sign), the same as after it:
+    // qmax is a whole number and rounding half to even is monotone and odd
+    const __m512i c = _mm512_cvtps_epi32(_mm512_range_ps(VMUL(x, inv), t->qmax, 0x02));
+    const __m512i f = _mm512_and_si512(c, t->field);  // fields, K bits each
     // pairs of fields to qwords: f[2j] | f[2j + 1] << K (the high dword shifted down by 32 - K; K <= 16)
     const __m512i pair = _mm512_ternarylogic_epi64(f, _mm512_set1_epi64(0xFFFFFFFF),
                                                    _mm512_srlv_epi64(f, t->pair_shift), 0xEA);  // (a & b) | c
@@ -871,8 +868,8 @@ int accel_state_step_water(int B, int H, int dk, int dv, int kda, const int32_t 
 
 // ---------------------------------------------------------------------------------------------------------------
 // The runtime's INT-K row storage on its own (accel.runtime.state_cache's encode_rows / decode_rows for K = 2..16,
-// K != 8), the same bits: n rows of dv values (dv * K a multiple of 8) <-> one bit stream of codes + qmax and a
-// float16 scale a row (absmax / qmax, at least 2^-24; codes round-half-even(x * (1 / scale)) clamped to +-qmax).
+// K != 8), the same bits: n rows of dv values (dv * K a multiple of 8) <-> one bit stream of K-bit two's complement
+// codes and a float16 scale a row (absmax / qmax, at least 2^-24; codes round-half-even(x * (1 / scale)) clamped to +-qmax).
 // The cache calls these for every store and load of a decode step; numpy's bit packing took 10-30 ns a value.
 
 int accel_state_encode_int_rows(const float *x, long n, int dv, int k, uint8_t *codes, uint16_t *scales,

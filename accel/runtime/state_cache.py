@@ -135,10 +135,9 @@ def encode_rows_torch(rows: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
         return {"codes": x.to(torch.float8_e4m3fn).view(torch.uint8).contiguous(), "scales": scale}
     k = int_bits(fmt)
     q, scale = _int_codes(rows, k)
-    qmax = float(2 ** (k - 1) - 1)
     if k == 8:
         return {"codes": q.to(torch.int8).contiguous(), "scales": scale}
-    return {"codes": pack_codes(q.to(torch.int32) + int(qmax), k), "scales": scale}
+    return {"codes": pack_codes(q.to(torch.int32) & ((1 << k) - 1), k), "scales": scale}  # K-bit two's complement
 
 
 def decode_rows(parts: dict[str, torch.Tensor], fmt: str, n: int, d_v: int) -> torch.Tensor:
@@ -158,8 +157,8 @@ def decode_rows_torch(parts: dict[str, torch.Tensor], fmt: str, n: int, d_v: int
     k = int_bits(fmt)
     if k == 8:
         return parts["codes"].to(torch.float32) * scale
-    qmax = 2 ** (k - 1) - 1
-    q = unpack_codes(parts["codes"], k, n * d_v).reshape(n, d_v) - qmax
+    field = unpack_codes(parts["codes"], k, n * d_v).reshape(n, d_v)
+    q = field - ((field >> (k - 1)) << k)  # sign-extended from bit K - 1
     return q.to(torch.float32) * scale
 
 
