@@ -31,6 +31,8 @@ demo: $(STAMP) $(DEMO_DATA)
 	$(BIN)/accel verify $(DEMO_DIR)/smollm2-rtn4 --reference smollm2-135m
 	$(BIN)/accel eval $(DEMO_DIR)/smollm2-rtn4 --data $(DEMO_DATA) --reference smollm2-135m --windows 8 --seq-len 256
 
+# The CPU kernels' tests run a second time on their AVX2 paths (ACCEL_KERNEL_ARCH=x86-64-v3) where the CPU has AVX2,
+# since -march=native on an AVX-512 machine compiles only the AVX-512 and scalar paths.
 # Triton (no GPU here) in its own directory, not in .venv: the Triton kernels' logic is checked on the CPU under
 # Triton's interpreter in a second pytest run, their compilation for Hopper (sm_90, Triton's pipeline and ptxas,
 # no GPU) in a third, and the main suite never sees Triton
@@ -42,6 +44,9 @@ $(TRITON)/.installed: $(STAMP)
 test: $(STAMP) $(TRITON)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
+	if grep -qw avx2 /proc/cpuinfo && grep -qw fma /proc/cpuinfo && grep -qw f16c /proc/cpuinfo; then \
+		ACCEL_KERNEL_ARCH=x86-64-v3 $(BIN)/python -m pytest -q -p no:cacheprovider \
+			tests/test_kernels.py tests/test_quant_linear.py tests/test_state_update.py; fi
 	PYTHONPATH=$(TRITON) TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider \
 		tests/test_kernels_triton.py tests/test_state_update.py -k triton
 	PYTHONPATH=$(TRITON) TRITON_DEFAULT_FP_FUSION=1 $(BIN)/python -m pytest -q -p no:cacheprovider \

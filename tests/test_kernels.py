@@ -26,7 +26,7 @@ LEECH = [((13,), "planes"), ((13,), "onehot"), ((13,), "packed"), ((13, 3), "pla
 def simd(request):
     lib = _build.library()
     if request.param and not lib.accel_simd_available():
-        pytest.skip("this CPU or compiler has no AVX-512 path")
+        pytest.skip("this CPU or compiler has no SIMD path (AVX-512 or AVX2)")
     lib.accel_set_simd(request.param)
     yield request.param
     lib.accel_set_simd(1)
@@ -324,3 +324,37 @@ def test_missing_compiler_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(_build.shutil, "which", lambda name: None)
     with pytest.raises(_build.KernelUnavailable, match="need a C compiler"):
         _build.library_path()
+
+
+def _cpu_flags() -> set[str]:
+    from pathlib import Path
+
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return set()
+    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+
+
+@pytest.mark.parametrize("arch, width, needs", [("x86-64", 0, set()), ("x86-64-v3", 256, {"avx2", "fma", "f16c"})])
+def test_build_target_sets_the_simd_paths(arch, width, needs, monkeypatch, tmp_path):
+    """ACCEL_KERNEL_ARCH picks the -march target, and the library reports the vector width that target compiles
+    in: the scalar paths alone for baseline x86-64, the AVX2 paths (without AVX-512) for x86-64-v3, which is how
+    `make test` runs this file on the AVX2 paths of an AVX-512 machine."""
+    import ctypes
+    import platform
+
+    flags = _cpu_flags()
+    if platform.machine() != "x86_64" or not needs <= flags:
+        pytest.skip(f"{arch} code does not run on this CPU")
+    monkeypatch.setenv("ACCEL_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("ACCEL_KERNEL_ARCH", arch)
+    assert f"-march={arch}" in _build.flags()
+    lib = ctypes.CDLL(str(_build.library_path()))
+    assert lib.accel_simd_available() == width
+
+
+def test_build_target_name_is_checked(monkeypatch):
+    monkeypatch.setenv("ACCEL_KERNEL_ARCH", "native -fplugin=x.so")
+    with pytest.raises(_build.KernelUnavailable, match="ACCEL_KERNEL_ARCH"):
+        _build.flags()

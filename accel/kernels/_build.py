@@ -2,7 +2,8 @@
 
 The shared library is cached under $ACCEL_KERNEL_CACHE (default ~/.cache/accel/kernels) in a file named by the
 SHA-256 of the source, the compiler command and the CPU (flags, model), since -march=native code is only valid on
-the CPU it was built for. A build writes to a temporary name in the cache directory and renames it into place, so
+the CPU it was built for. $ACCEL_KERNEL_ARCH (default "native") replaces the -march target: `x86-64-v3` builds the
+AVX2 paths on an AVX-512 machine (how `make test` checks them), `x86-64` the portable scalar code. A build writes to a temporary name in the cache directory and renames it into place, so
 concurrent first uses (test workers, spawn pools) never load a half-written file.
 """
 
@@ -21,7 +22,16 @@ from pathlib import Path
 from accel.errors import AccelError
 
 SOURCE = Path(__file__).with_name("csrc") / "accel_kernels.c"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11")
+FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11")
+
+
+def flags() -> tuple[str, ...]:
+    """The compiler flags: FLAGS and the -march target ($ACCEL_KERNEL_ARCH, default native)."""
+    arch = os.environ.get("ACCEL_KERNEL_ARCH", "").strip() or "native"
+    if not arch.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise KernelUnavailable(f"ACCEL_KERNEL_ARCH={arch!r} is not a -march target name (such as native, "
+                                "x86-64-v3)")
+    return (*FLAGS, f"-march={arch}")
 
 
 class KernelUnavailable(AccelError):
@@ -58,7 +68,7 @@ def library_path(source: Path = SOURCE, stem: str = "accel_kernels") -> Path:
     except (OSError, subprocess.CalledProcessError) as exc:
         raise KernelUnavailable(f"the C compiler {cc!r} does not run: {exc}") from None
     key = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_identity().encode(),
+    for part in (source.read_bytes(), " ".join(flags()).encode(), version.encode(), _cpu_identity().encode(),
                  platform.machine().encode()):
         key.update(hashlib.sha256(part).digest())
     target = cache_dir() / f"{stem}-{key.hexdigest()[:24]}.so"
@@ -72,7 +82,7 @@ def _build(cc: str, source: Path, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        run = subprocess.run([cc, *FLAGS, "-o", tmp, str(source), "-lm"], check=False, capture_output=True,
+        run = subprocess.run([cc, *flags(), "-o", tmp, str(source), "-lm"], check=False, capture_output=True,
                              text=True)
         if run.returncode != 0:
             raise KernelUnavailable(f"building {source.name} failed ({cc}):\n{run.stderr.strip()[-2000:]}")
