@@ -30,6 +30,7 @@ demo: $(STAMP) $(DEMO_DATA)
 	$(BIN)/accel inspect $(DEMO_DIR)/smollm2-rtn4 | tail -n 3
 	$(BIN)/accel verify $(DEMO_DIR)/smollm2-rtn4 --reference smollm2-135m
 	$(BIN)/accel eval $(DEMO_DIR)/smollm2-rtn4 --data $(DEMO_DATA) --reference smollm2-135m --windows 8 --seq-len 256
+	$(BIN)/accel generate $(DEMO_DIR)/smollm2-rtn4 --kernels --prompt "The for statement is used to" --tokens 32
 
 # The CPU kernels' tests run a second time on their AVX2 paths (ACCEL_KERNEL_ARCH=x86-64-v3) where the CPU has AVX2,
 # since -march=native on an AVX-512 machine compiles only the AVX-512 and scalar paths.
