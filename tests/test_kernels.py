@@ -326,16 +326,6 @@ def test_missing_compiler_is_a_clear_error(monkeypatch):
         _build.library_path()
 
 
-def _cpu_flags() -> set[str]:
-    from pathlib import Path
-
-    try:
-        text = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        return set()
-    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
-
-
 @pytest.mark.parametrize("arch, width, needs", [("x86-64", 0, set()), ("x86-64-v3", 256, {"avx2", "fma", "f16c"})])
 def test_build_target_sets_the_simd_paths(arch, width, needs, monkeypatch, tmp_path):
     """ACCEL_KERNEL_ARCH picks the -march target, and the library reports the vector width that target compiles
@@ -344,8 +334,7 @@ def test_build_target_sets_the_simd_paths(arch, width, needs, monkeypatch, tmp_p
     import ctypes
     import platform
 
-    flags = _cpu_flags()
-    if platform.machine() != "x86_64" or not needs <= flags:
+    if platform.machine() != "x86_64" or not needs <= _build.cpu_flags():
         pytest.skip(f"{arch} code does not run on this CPU")
     monkeypatch.setenv("ACCEL_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("ACCEL_KERNEL_ARCH", arch)

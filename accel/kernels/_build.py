@@ -3,8 +3,9 @@
 The shared library is cached under $ACCEL_KERNEL_CACHE (default ~/.cache/accel/kernels) in a file named by the
 SHA-256 of the source, the compiler command and the CPU (flags, model), since -march=native code is only valid on
 the CPU it was built for. $ACCEL_KERNEL_ARCH (default "native") replaces the -march target: `x86-64-v3` builds the
-AVX2 paths on an AVX-512 machine (how `make test` checks them), `x86-64` the portable scalar code. A build writes to a temporary name in the cache directory and renames it into place, so
-concurrent first uses (test workers, spawn pools) never load a half-written file.
+AVX2 paths on an AVX-512 machine (how `make test` checks them), `x86-64` the portable scalar code. A build writes
+to a temporary name in the cache directory and renames it into place, so concurrent first uses (test workers,
+spawn pools) never load a half-written file.
 """
 
 from __future__ import annotations
@@ -43,13 +44,25 @@ def cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "accel" / "kernels"
 
 
-def _cpu_identity() -> str:
+def _cpuinfo() -> str | None:
     try:
-        text = Path("/proc/cpuinfo").read_text(errors="replace")
+        return Path("/proc/cpuinfo").read_text(errors="replace")
     except OSError:
+        return None
+
+
+def _cpu_identity() -> str:
+    text = _cpuinfo()
+    if text is None:
         return platform.processor() or platform.machine()
     keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
     return "\n".join(sorted(set(keep)))
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where there is none)."""
+    text = _cpuinfo() or ""
+    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
 
 
 def _compiler() -> str:

@@ -403,6 +403,14 @@ typedef struct {
     int64_t rows, cols, group, ngroups;
 } Affine;
 
+#if HAVE_AVX2
+/* side_value of entries i .. i + 7 */
+static inline __m256 side_values8(const void *p, int is_f32, int64_t i) {
+    return is_f32 ? _mm256_loadu_ps((const float *)p + i)
+                  : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+}
+#endif
+
 /* per row: float scales into sc and the row's constant term sum_g coef_g * gsum_g */
 static float affine_row_sides(const Affine *a, int64_t r, const float *gsum, float *sc) {
     const int64_t ng = a->ngroups, first = r * ng;
@@ -436,12 +444,10 @@ static float affine_row_sides(const Affine *a, int64_t r, const float *gsum, flo
         __m256 acc = _mm256_setzero_ps();
         int64_t g = 0;
         for (; g + 8 <= ng; g += 8) {
-            const __m256 s = a->scale_f32 ? _mm256_loadu_ps((const float *)a->scale + first + g)
-                                          : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)a->scale + first + g)));
+            const __m256 s = side_values8(a->scale, a->scale_f32, first + g);
             _mm256_storeu_ps(sc + g, s);
             const __m256 coef = a->symmetric ? _mm256_mul_ps(s, _mm256_set1_ps(-mid))
-                                : a->scale_f32 ? _mm256_loadu_ps((const float *)a->offset + first + g)
-                                               : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)a->offset + first + g)));
+                                             : side_values8(a->offset, a->scale_f32, first + g);
             acc = _mm256_fmadd_ps(coef, _mm256_loadu_ps(gsum + g), acc);
         }
         float extra = hsum8(acc);
@@ -1266,6 +1272,11 @@ AI void store_planes8(const __m256 *acc, const int bits, int nr, float *out) {
     _mm256_maskstore_ps(out, lanes8(nr), v);
 }
 
+/* lane i: i * rowbytes, the offset of row i of an 8-row tile */
+AI __m256i row_offsets8(int64_t rowbytes) {
+    return _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)rowbytes));
+}
+
 /* dword k of each of the nr <= 8 rows at p (row i at p + i * rowbytes) */
 AI __m256i gather_rows8(const uint8_t *p, __m256i vidx, __m256i lanes) {
     return _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)p, vidx, lanes, 1);
@@ -1294,7 +1305,7 @@ AI void tile8_prefetch(const uint8_t *p, int64_t rowbytes, int64_t plane_stride,
 AI void planes_tile8_t(const uint8_t *base, int64_t plane_stride, int64_t rowbytes, int64_t r0, int nr,
                        const float *tab, float *out, const int bits) {
     const __m256i lanes = lanes8(nr);
-    const __m256i vidx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)rowbytes));
+    const __m256i vidx = row_offsets8(rowbytes);
     const uint8_t *p = base + r0 * rowbytes;
     __m256 acc[4];
     for (int j = 0; j < bits; j++) acc[j] = _mm256_setzero_ps();
@@ -1324,7 +1335,7 @@ AI void onehot_tile8_t(const uint8_t *base, int64_t plane_stride, int64_t rowbyt
                        const uint8_t *pm, const float *tab, float *out, const int K) {
     const int nb = onehot_value_bits(K), bits = nb + 1;
     const __m256i lanes = lanes8(nr);
-    const __m256i vidx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)rowbytes));
+    const __m256i vidx = row_offsets8(rowbytes);
     const uint8_t *p = base + r0 * rowbytes;
     __m256 acc[4];
     for (int j = 0; j < bits; j++) acc[j] = _mm256_setzero_ps();
@@ -1358,7 +1369,6 @@ static void onehot_tile8(const uint8_t *base, int64_t stride, int64_t rowbytes, 
 }
 #endif
 
-/* the row's parity bits spread to one bit per coordinate (3 bytes a block) */
 /* the row's parity bits spread to one bit per coordinate (3 bytes a block), 8 blocks per table entry */
 static uint8_t g_spread[256][24];
 
@@ -1703,13 +1713,6 @@ static void leech_rows(const Leech *L, const float *z, const float *zb, float *t
                                           L->param[s]);
                     else if (onehot) onehot_tile(base, plane, rowbytes, r0, nr, pm, tab, vals, L->param[s]);
                     else planes_tile(base, plane, rowbytes, r0, nr, tab, vals, L->param[s]);
-                    if (pw) { /* x = 2 v + p */
-                        float pv[16];
-                        parity_tiled(pw, pwords, ptab, pv);
-                        for (int i = 0; i < nr; i++) vals[i] = 2.0f * vals[i] + pv[i];
-                    } else
-                        for (int i = 0; i < nr; i++)
-                            vals[i] = 2.0f * vals[i] + parity_term(par, parbytes, (r0 + i) * L->nblk, L->nblk, zb);
                 } else
 #elif HAVE_AVX2
                 if (g_simd) {
@@ -1719,20 +1722,22 @@ static void leech_rows(const Leech *L, const float *z, const float *zb, float *t
                                                  L->param[s]);
                         else planes_tile8(base, plane, rowbytes, r0 + h, nh, tab, vals + h, L->param[s]);
                     }
-                    for (int i = 0; i < nr; i++)
-                        vals[i] = 2.0f * vals[i] + parity_term(par, parbytes, (r0 + i) * L->nblk, L->nblk, zb);
                 } else
 #endif
-                { /* scalar: the same table lookups, a byte of a row at a time (the bit-by-bit sums they replaced,
-                   * a branch a coordinate bit, were 19.5x / 6.8x slower on planes / onehot at 4096 x 4096) */
+                { /* scalar: the same table lookups, a byte of a row at a time (with the parity term's branch removed,
+                   * 19.5x / 6.8x faster on planes / onehot at 4096 x 4096 than the bit-by-bit sums they replaced) */
                     const uint8_t *p = base + r0 * rowbytes;
                     for (int i = 0; i < nr; i++) vals[i] = 0.0f;
                     if (onehot) onehot_tail(p, plane, rowbytes, 0, nr, pm, tab, vals, L->param[s]);
                     else planes_tail(p, plane, rowbytes, 0, nr, tab, vals, L->param[s]);
-                    for (int i = 0; i < nr; i++)
-                        vals[i] = 2.0f * vals[i] + parity_term(par, parbytes, (r0 + i) * L->nblk, L->nblk, zb);
                 }
-                for (int i = 0; i < nr; i++) total[i] += L->alpha[s] * vals[i];
+                float pv[16]; /* x = 2 v + p: the parity term from the tile copy's parity words, or from the stream */
+#if HAVE_AVX512
+                if (g_simd && pw) parity_tiled(pw, pwords, ptab, pv);
+                else
+#endif
+                    for (int i = 0; i < nr; i++) pv[i] = parity_term(par, parbytes, (r0 + i) * L->nblk, L->nblk, zb);
+                for (int i = 0; i < nr; i++) total[i] += L->alpha[s] * (2.0f * vals[i] + pv[i]);
             }
             for (int i = 0; i < nr; i++) t[r0 + i] = half_to_float(L->scale[r0 + i]) * total[i];
         }
