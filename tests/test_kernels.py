@@ -77,6 +77,7 @@ TILED_SHAPES = [(1, 64), (5, 200), (17, 128), (33, 96), (40, 1024)]
 TILED = [  # (levels, symmetric, group): 8, 4 and 2 bits, groups of whole 4-byte blocks, or one group a row
     (256, False, 64), (256, True, 32), (16, False, 64), (16, True, 8), (4, False, 16), (3, False, 64),
     (200, False, 4096), (16, False, 4096),
+    (4, True, 128), (4, False, 32), (16, True, 32),  # the unrolled block lengths: int2 8 and 2 steps, int4 4
 ]
 
 
@@ -120,7 +121,7 @@ def test_affine_tiled_integer_kernel(rng, shape, levels, symmetric, group):
 
 
 @pytest.mark.parametrize("shape", [(1, 23), (17, 200), (40, 1027)], ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("symmetric,group", [(False, 64), (True, 7), (False, 4096), (True, 45)])
+@pytest.mark.parametrize("symmetric,group", [(False, 64), (True, 7), (False, 4096), (True, 45), (False, 100)])
 def test_base3_tile_copy(rng, shape, symmetric, group):
     """Base-3 codes regrouped by row into 16-row tiles (digits by comparisons, integer products): blocks that do not
     start on a 20-column step, one group a row, odd widths; decode bit-exact; the float path over the tiles."""
