@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from accel.formats import bitpack
 from accel.formats.tensor import decode_parts, encode_tensor
 from accel.kernels import _build
 from accel.kernels.reference import reference_matvec, reference_weight
@@ -93,8 +94,8 @@ def test_affine_tiled_integer_kernel(rng, shape, levels, symmetric, group):
                                   symmetric=symmetric)
     parts = _parts(entry, arrays)
     kw = _check_matvec(entry, parts, rng)
-    if not lib.accel_tiled_available():
-        pytest.skip("this CPU or compiler has no AVX-512 VNNI path")
+    if not lib.accel_tiled_kinds() & (1 << bitpack.bits_for_levels(levels)):
+        pytest.skip("this CPU or compiler has no integer tile kernel for these codes (AVX-512 VNNI, AVX2: 4, 2 bits)")
     assert kw.tiled
     tile = np.full(shape, np.nan, dtype=np.float32)
     kw.decode_rows_ptr(0, shape[0], tile.ctypes.data)
@@ -130,8 +131,8 @@ def test_base3_tile_copy(rng, shape, symmetric, group):
     entry, arrays = encode_tensor("w", w, "affine", layout="base", levels=3, group=group, symmetric=symmetric)
     parts = _parts(entry, arrays)
     kw = _check_matvec(entry, parts, rng)
-    if not lib.accel_tiled_available():
-        pytest.skip("this CPU or compiler has no AVX-512 VNNI path")
+    if not lib.accel_tiled_kinds() & (1 << 3):
+        pytest.skip("this CPU or compiler has no base-3 tile kernel (AVX-512 VNNI)")
     assert kw.tiled == "base3"
     tile = np.full(shape, np.nan, dtype=np.float32)
     kw.decode_rows_ptr(0, shape[0], tile.ctypes.data)

@@ -122,6 +122,7 @@ _SIGNATURES = {
     "accel_leech_decode_rows": ([_i32, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i32],
                                 _i32),
     "accel_tiled_available": ([], _i32),
+    "accel_tiled_kinds": ([], _i32),
     "accel_affine_tiled_matvec": ([_ptr, _i32, _i32, _i32, _i32, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i32],
                                   _i32),
     "accel_affine_tiled_decode_rows": ([_ptr, _i32, _i32, _i32, _i32, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,

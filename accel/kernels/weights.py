@@ -111,13 +111,15 @@ class AffineWeight(KernelWeight):
         self.nbytes = self.call_bytes = int(sum(np.asarray(a).nbytes for a in parts.values()))
         self._lib = library()
         # a 16-row tile copy for the integer kernels (accel_kernels.c), where the CPU and the shapes allow; it
-        # replaces the stored stream in memory. "packed": 8/4/2-bit codes; "base3": L = 3, regrouped by row
+        # replaces the stored stream in memory. "packed": 8/4/2-bit codes; "base3": L = 3, regrouped by row.
+        # accel_tiled_kinds: bit b for b-bit packed codes, bit 3 for base-3 (AVX-512 VNNI: all; AVX2: 4 and 2 bits)
         self.tiled = None
-        if self._lib.accel_tiled_available():
-            if self._tileable():
-                self.tiled = "packed"
-            elif self.layout == "base" and self.levels == 3 and self.shape[0] > 0 and self.shape[1] > 0:
-                self.tiled = "base3"
+        kinds = self._lib.accel_tiled_kinds()
+        if self._tileable() and kinds & (1 << self.bits):
+            self.tiled = "packed"
+        elif (self.layout == "base" and self.levels == 3 and self.shape[0] > 0 and self.shape[1] > 0
+              and kinds & (1 << 3)):
+            self.tiled = "base3"
         if self.tiled:
             self._make_tiles()
 

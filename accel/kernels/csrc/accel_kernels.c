@@ -46,6 +46,7 @@
 #endif
 
 #define API __attribute__((visibility("default")))
+#define AI static inline __attribute__((always_inline))
 
 static int g_simd = SIMD_BITS > 0;
 
@@ -480,9 +481,6 @@ static float affine_row_generic(const Affine *a, int64_t r, const float *x, cons
     return total;
 }
 
-#if HAVE_AVX512
-#define AI static inline __attribute__((always_inline))
-
 /* Streaming a weight from memory. One sequential stream per core reads at about 30 GB/s on two cores here, two
  * streams at about 46 (the large-copy bandwidth): the hardware prefetchers track a few lines ahead of each stream,
  * and one stream keeps too few misses in flight. So a thread that walks its tiles in order reads each line of the
@@ -494,17 +492,18 @@ static float affine_row_generic(const Affine *a, int64_t r, const float *x, cons
 #define TILE_STREAMS 2
 
 AI void prefetch_line(const uint8_t *p, int64_t ahead) {
-    _mm_prefetch((const char *)(p + 4096), _MM_HINT_T0);
-    if (ahead) _mm_prefetch((const char *)(p + ahead), _MM_HINT_T2);
+    __builtin_prefetch(p + 4096, 0, 3); /* prefetcht0 */
+    if (ahead) __builtin_prefetch(p + ahead, 0, 1); /* prefetcht2 */
 }
 
 /* [*t0, *t1): this thread's share of n items, contiguous, in thread order */
-static void thread_range(int64_t n, int64_t *t0, int64_t *t1) {
+__attribute__((unused)) static void thread_range(int64_t n, int64_t *t0, int64_t *t1) {
     const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
     *t0 = n * id / nt;
     *t1 = n * (id + 1) / nt;
 }
 
+#if HAVE_AVX512
 /* a 16-bit mask straight from memory: kmovw k, m16 is a load, while the compiler's own choice (a GPR load, then
  * kmovw k, r32) spends a vector-port uop per mask, which the masked adds need */
 AI __mmask16 ldmask(const uint8_t *p) {
@@ -636,7 +635,6 @@ static float affine_row_simd(const Affine *a, int64_t r, const float *x, const f
     }
 }
 #elif HAVE_AVX2
-#define AI static inline __attribute__((always_inline))
 
 /* 8 bytes of codes (v: one byte per 32-bit lane) times their inputs (zk: the input of code position k of each
  * byte, 8 lanes from zk[0]; `keep` the lanes to read), added to d[0 .. 8 / bits) */
@@ -1415,8 +1413,7 @@ static int leech_init(Leech *L, int nstages, const uint8_t *const *streams, cons
     return 0;
 }
 
-/* ------------------------------------------------------------------ block floating point input (VNNI tiles) */
-#if HAVE_VNNI
+/* --------------------------------------------------------------- block floating point input (integer tiles) */
 /* 2^k as a float (k in -149 .. 127), without a libm call for normal results */
 static inline float pow2f(int k) {
     if (k < -126 || k > 127) return ldexpf(1.0f, k);
@@ -1424,9 +1421,25 @@ static inline float pow2f(int k) {
     return v.f;
 }
 
-/* block floating point for x[c0, c1): *fac = 2^(22 - e) and *unit = 2^(e - 22), e the least with max |x| < 2^e, so
- * that x * fac is exact and rounds to an integer below 2^22 in magnitude; 0 if an element is not finite or a scale
+/* block floating point for a block whose largest magnitude is mx (finite): *fac = 2^(22 - e) and *unit = 2^(e - 22),
+ * e the least with mx < 2^e, so that x * fac is exact and rounds to an integer below 2^22 in magnitude; 0 if a scale
  * is not a float (the callers then take their float paths) */
+static inline int block_exponent(float mx, float *fac, float *unit) {
+    int ex = 0;
+    if (mx >= FLT_MIN) { /* mx = 0.1m * 2^(E - 126), E its biased exponent: frexpf's exponent */
+        union { float f; uint32_t u; } v = {mx};
+        ex = (int)((v.u >> 23) & 0xffu) - 126;
+    } else if (mx > 0.0f) {
+        frexpf(mx, &ex);
+    }
+    if (ex - 22 < -126 || ex - 22 > 127) return 0;
+    *fac = pow2f(22 - ex);
+    *unit = pow2f(ex - 22);
+    return 1;
+}
+
+#if HAVE_VNNI
+/* block_exponent for x[c0, c1); 0 also if an element is not finite */
 static int block_scale(const float *x, int64_t c0, int64_t c1, __m512 *fac, float *unit) {
     __m512 vmax = _mm512_setzero_ps();
     __mmask16 bad = 0;
@@ -1437,17 +1450,9 @@ static int block_scale(const float *x, int64_t c0, int64_t c1, __m512 *fac, floa
         vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
     }
     const float mx = _mm512_reduce_max_ps(vmax);
-    if (bad || !isfinite(mx)) return 0;
-    int ex = 0;
-    if (mx >= FLT_MIN) { /* mx = 0.1m * 2^(E - 126), E its biased exponent: frexpf's exponent */
-        union { float f; uint32_t u; } v = {mx};
-        ex = (int)((v.u >> 23) & 0xffu) - 126;
-    } else if (mx > 0.0f) {
-        frexpf(mx, &ex);
-    }
-    if (ex - 22 < -126 || ex - 22 > 127) return 0;
-    *fac = _mm512_set1_ps(pow2f(22 - ex));
-    *unit = pow2f(ex - 22);
+    float f;
+    if (bad || !isfinite(mx) || !block_exponent(mx, &f, unit)) return 0;
+    *fac = _mm512_set1_ps(f);
     return 1;
 }
 
@@ -1891,7 +1896,6 @@ API int accel_leech_decode_rows(int nstages, const uint8_t *const *streams, cons
  * |x - X 2^-e_b| <= 2^-23 max |x| over the block. An input with a non-finite element takes the float path, so NaN
  * and Inf propagate as in a float dot product. */
 
-API int accel_tiled_available(void) { return HAVE_VNNI && g_simd; }
 
 typedef struct {
     const uint8_t *tiles;
@@ -2119,16 +2123,157 @@ static void tiled_tile(const Tiled *a, int64_t t, const int32_t *xd, const float
 #endif
 
 
+#if HAVE_AVX2
+#define HAVE_TILES_AVX2 1
+/* The affine tiles on AVX2 (4- and 2-bit codes; 8-bit codes keep the row kernel: a pair of their products, up to
+ * 2 * 255 * 128, overflows vpmaddubsw's 16-bit sums). The same tile copy and the same input digits as the VNNI tiles,
+ * read half a tile (8 rows, 32 bytes of a step) at a time: vpmaddubsw multiplies the code bytes (unsigned) by the
+ * broadcast digit bytes (signed) and adds them in pairs into 16-bit lanes, vpaddw sums W steps of those for all the
+ * fields of a byte (exact: |a step's sum| <= per * 2 * (2^bits - 1) * 128, W of them below 2^15), and vpmaddwd by
+ * ones widens a row's two lanes into its int32 sum. The input is written by a scalar loop. */
+
+/* the input digits of block g (see tiled_block_input_t) */
+static int tiled_block_input(const Tiled *a, const float *x, int32_t *xd, float *unit, float *gsum, int64_t g) {
+    const int per = 8 / a->bits;
+    const int64_t c0 = g * a->bw, c1 = c0 + a->bw < a->cols ? c0 + a->bw : a->cols;
+    float mx = 0.0f, fac;
+    for (int64_t c = c0; c < c1; c++) {
+        const float v = fabsf(x[c]);
+        if (!(v <= FLT_MAX)) return 0; /* NaN or infinite */
+        mx = v > mx ? v : mx;
+    }
+    if (!block_exponent(mx, &fac, &unit[g])) return 0;
+    int8_t *d = (int8_t *)xd;
+    int64_t sum = 0;
+    for (int64_t c = c0; c < c1; c++) {
+        const int32_t X = (int32_t)lrintf(x[c] * fac);
+        sum += X;
+        const int32_t X0 = (int8_t)(X & 0xff), R = (X - X0) >> 8, X1 = (int8_t)(R & 0xff);
+        const int64_t k = c / (4 * per), w = c % (4 * per), at = ((k * per + w % per) * 3) * 4 + w / per;
+        d[at] = (int8_t)X0;
+        d[at + 4] = (int8_t)X1;
+        d[at + 8] = (int8_t)((R - X1) >> 8);
+    }
+    gsum[g] = (float)((double)sum * (double)unit[g]);
+    return 1;
+}
+
+AI __m256 tiled_side8(const void *p, int is_f32, int64_t at) {
+    return is_f32 ? _mm256_loadu_ps((const float *)p + at)
+                  : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + at)));
+}
+
+/* *acc += the 16-bit pair sums of q's unsigned bytes times x's signed bytes. In assembly, as dpbusd_bcast: GCC
+ * otherwise reassociates the adds into trees of products that outlive the 16 registers (int2: 1000 spill moves) */
+AI void maddubs_add(__m256i *acc, __m256i q, __m256i x) {
+    __m256i t;
+    __asm__("vpmaddubsw %3, %2, %1\n\tvpaddw %1, %0, %0" : "+x"(*acc), "=&x"(t) : "x"(q), "x"(x));
+}
+
+/* step k (both halves) into the 16-bit sums s16[half][piece] */
+AI void tiled_step_avx2(__m256i s16[2][3], const uint8_t *base, const int32_t *xd, int64_t k, int64_t ahead,
+                        const int per) {
+    const int bits = 8 / per;
+    const __m256i mask = _mm256_set1_epi8((char)((1 << bits) - 1));
+    prefetch_line(base + k * 64, ahead);
+    const __m256i v[2] = {_mm256_loadu_si256((const __m256i *)(base + k * 64)),
+                          _mm256_loadu_si256((const __m256i *)(base + k * 64 + 32))};
+    for (int f = 0; f < per; f++) {
+        const int32_t *xs = xd + (k * per + f) * 3;
+        const __m256i x0 = _mm256_set1_epi32(xs[0]), x1 = _mm256_set1_epi32(xs[1]), x2 = _mm256_set1_epi32(xs[2]);
+        for (int h = 0; h < 2; h++) {
+            const __m256i q = _mm256_and_si256(f ? _mm256_srli_epi16(v[h], f * bits) : v[h], mask);
+            maddubs_add(&s16[h][0], q, x0);
+            maddubs_add(&s16[h][1], q, x1);
+            maddubs_add(&s16[h][2], q, x2);
+        }
+    }
+}
+
+/* the 16 rows of tile t (two halves of 8 rows, one int32 lane a row); per = codes a byte (2, 4). Unrolled blocks, as
+ * in tiled_tile_t, measured no faster here (int2 217 against 218 us, int4 201 against 205: 2048x4096, one thread) */
+AI void tiled_tile_avx2_t(const Tiled *a, int64_t t, const int32_t *xd, const float *unit, const float *gsum,
+                          float *y, const int per, const uint8_t *next) {
+    const int W = per == 2 ? 4 : 10; /* steps in 16-bit sums: 2 * 2 * 15 * 128 * 4, 4 * 2 * 3 * 128 * 10 < 2^15 */
+    const uint8_t *base = a->tiles + t * a->steps * 64;
+    const int64_t ahead = next ? next - base : 0;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const float mid = 0.5f * (float)(a->levels - 1);
+    __m256 total[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, total_off[2] = {total[0], total[0]};
+    const int64_t per_group = a->ngroups == 1 ? a->nblocks : a->group / a->bw;
+    for (int64_t blk = 0, g = 0, in_g = 0; blk < a->nblocks; blk++, in_g++) {
+        if (in_g == per_group) {
+            g++;
+            in_g = 0;
+        }
+        const int64_t k0 = blk * a->bsteps, k1 = k0 + a->bsteps < a->steps ? k0 + a->bsteps : a->steps;
+        __m256i s32[2][3];
+        for (int h = 0; h < 2; h++)
+            for (int p = 0; p < 3; p++) s32[h][p] = _mm256_setzero_si256();
+        for (int64_t kc = k0; kc < k1; kc += W) {
+            __m256i s16[2][3];
+            for (int h = 0; h < 2; h++)
+                for (int p = 0; p < 3; p++) s16[h][p] = _mm256_setzero_si256();
+            const int64_t ke = kc + W < k1 ? kc + W : k1;
+            for (int64_t k = kc; k < ke; k++) tiled_step_avx2(s16, base, xd, k, ahead, per);
+            for (int h = 0; h < 2; h++)
+                for (int p = 0; p < 3; p++) s32[h][p] = _mm256_add_epi32(s32[h][p], _mm256_madd_epi16(s16[h][p], ones));
+        }
+        const int64_t side = (t * a->ngroups + g) * 16;
+        for (int h = 0; h < 2; h++) { /* sum q X = 65536 s2 + 256 s1 + s0, as pieces_dot */
+            const __m256i *q = s32[h];
+            const __m256 dot =
+                per == 4 ? _mm256_cvtepi32_ps(_mm256_add_epi32(
+                               _mm256_add_epi32(_mm256_slli_epi32(q[2], 16), _mm256_slli_epi32(q[1], 8)), q[0]))
+                         : _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(q[2], 8), q[1])),
+                                           _mm256_set1_ps(256.0f), _mm256_cvtepi32_ps(q[0]));
+            const __m256 sc = tiled_side8(a->scale, a->scale_f32, side + 8 * h);
+            if (a->symmetric) {
+                total[h] = _mm256_fmadd_ps(
+                    sc, _mm256_fmadd_ps(dot, _mm256_set1_ps(unit[blk]), _mm256_set1_ps(-mid * gsum[blk])), total[h]);
+            } else {
+                total[h] = _mm256_fmadd_ps(sc, _mm256_mul_ps(dot, _mm256_set1_ps(unit[blk])), total[h]);
+                total_off[h] = _mm256_fmadd_ps(tiled_side8(a->offset, a->scale_f32, side + 8 * h),
+                                               _mm256_set1_ps(gsum[blk]), total_off[h]);
+            }
+        }
+    }
+    float o[16];
+    _mm256_storeu_ps(o, _mm256_add_ps(total[0], total_off[0]));
+    _mm256_storeu_ps(o + 8, _mm256_add_ps(total[1], total_off[1]));
+    const int64_t left = a->rows - t * 16;
+    memcpy(y + t * 16, o, (size_t)(left >= 16 ? 16 : left) * sizeof(float));
+}
+
+static void tiled_tile(const Tiled *a, int64_t t, const int32_t *xd, const float *unit, const float *gsum, float *y,
+                       const uint8_t *next) {
+    if (a->bits == 4) tiled_tile_avx2_t(a, t, xd, unit, gsum, y, 2, next);
+    else tiled_tile_avx2_t(a, t, xd, unit, gsum, y, 4, next);
+}
+#else
+#define HAVE_TILES_AVX2 0
+#endif
+
+/* the code widths (bit 8, 4, 2 of the mask; bit 3: base-3) whose tile copies an integer kernel reads on this CPU */
+static int tiled_kinds(void) {
+    if (!g_simd) return 0;
+    if (HAVE_VNNI) return 1 << 8 | 1 << 4 | 1 << 3 | 1 << 2;
+    if (HAVE_TILES_AVX2) return 1 << 4 | 1 << 2;
+    return 0;
+}
+API int accel_tiled_kinds(void) { return tiled_kinds(); }
+API int accel_tiled_available(void) { return tiled_kinds() != 0; }
+
 API int accel_affine_tiled_matvec(const uint8_t *tiles, int bits, int levels, int symmetric, int scale_f32,
                                   const void *scale, const void *offset, int64_t rows, int64_t cols, int64_t group,
                                   const float *x, float *y, int nthreads) {
     Tiled a;
     int err = tiled_init(&a, tiles, bits, levels, symmetric, scale_f32, scale, offset, rows, cols, group);
     if (err) return err;
-    const int64_t ntiles = (rows + 15) / 16;
     int nt = threads_for(nthreads, (double)rows * cols);
-#if HAVE_VNNI
-    if (g_simd) {
+#if HAVE_VNNI || HAVE_TILES_AVX2
+    if (tiled_kinds() & 1 << bits) {
+        const int64_t ntiles = (rows + 15) / 16;
         const int per = 8 / bits;
         const size_t nxd = (size_t)(a.steps + 4) * per * 3; /* + the tile loop's overrun */
         int32_t *xd = xalloc(nxd * sizeof(int32_t));
@@ -2150,7 +2295,7 @@ API int accel_affine_tiled_matvec(const uint8_t *tiles, int bits, int levels, in
                 const int64_t bytes = a.steps * 64;
                 for (int64_t t = t0; t < t1; t++) {
                     const uint8_t *next = t + 1 < t1 ? a.tiles + (t + 1) * bytes : NULL;
-                        tiled_tile(&a, t, xd, unit, gr, y, next);
+                    tiled_tile(&a, t, xd, unit, gr, y, next);
                 }
             }
         }
@@ -2406,10 +2551,10 @@ API int accel_base3_tiled_matvec(const uint8_t *tiles, int symmetric, int scale_
     Base3 a;
     int err = base3_init(&a, tiles, symmetric, scale_f32, scale, offset, rows, cols, group);
     if (err) return err;
-    const int64_t ntiles = (rows + 15) / 16;
     int nt = threads_for(nthreads, (double)rows * cols);
 #if HAVE_VNNI
-    if (g_simd) {
+    if (tiled_kinds() & 1 << 3) {
+        const int64_t ntiles = (rows + 15) / 16;
         int64_t *xoff = xalloc((size_t)(a.nblocks + 1) * sizeof(int64_t));
         xoff[0] = 0;
         for (int64_t b = 0; b < a.nblocks; b++) {
