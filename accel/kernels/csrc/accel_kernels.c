@@ -29,8 +29,9 @@
 #endif
 
 /* AVX2 + FMA + F16C without AVX-512 (Zen 1-3, Intel client cores; -march=x86-64-v3 on any newer x86): 8-lane
- * versions of the row kernels (affine packed and base-L, Leech planes and onehot in 8-row tiles, the transforms).
- * The integer tile kernels stay AVX-512 only, so their serving copies are not made there. */
+ * versions of the row kernels (affine packed and base-L, Leech planes and onehot in 8-row tiles, the transforms)
+ * and of the 4- and 2-bit affine tiles (vpmaddubsw); the other integer tile kernels are AVX-512 only, so their
+ * serving copies are not made there (accel_tiled_kinds). */
 #if !HAVE_AVX512 && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define HAVE_AVX2 1
@@ -2163,6 +2164,27 @@ AI __m256 tiled_side8(const void *p, int is_f32, int64_t at) {
                   : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + at)));
 }
 
+/* tiles_block_sum on 8 rows (side: their first) */
+AI void tiles_block_sum8(__m256 *total, __m256 *total_off, __m256 dot, float unit, const void *scale,
+                         const void *offset, int scale_f32, int64_t side, float mid, float gsum) {
+    const __m256 sc = tiled_side8(scale, scale_f32, side);
+    if (!offset) {
+        *total = _mm256_fmadd_ps(sc, _mm256_fmadd_ps(dot, _mm256_set1_ps(unit), _mm256_set1_ps(-mid * gsum)), *total);
+    } else {
+        *total = _mm256_fmadd_ps(sc, _mm256_mul_ps(dot, _mm256_set1_ps(unit)), *total);
+        *total_off = _mm256_fmadd_ps(tiled_side8(offset, scale_f32, side), _mm256_set1_ps(gsum), *total_off);
+    }
+}
+
+/* the row sums of tile t (two halves of 8 rows) to y, the rows that exist */
+AI void store_tile8x2(float *y, int64_t t, int64_t rows, const __m256 total[2], const __m256 total_off[2]) {
+    float o[16];
+    _mm256_storeu_ps(o, _mm256_add_ps(total[0], total_off[0]));
+    _mm256_storeu_ps(o + 8, _mm256_add_ps(total[1], total_off[1]));
+    const int64_t left = rows - t * 16;
+    memcpy(y + t * 16, o, (size_t)(left >= 16 ? 16 : left) * sizeof(float));
+}
+
 /* *acc += the 16-bit pair sums of q's unsigned bytes times x's signed bytes. In assembly, as dpbusd_bcast: GCC
  * otherwise reassociates the adds into trees of products that outlive the 16 registers (int2: 1000 spill moves) */
 AI void maddubs_add(__m256i *acc, __m256i q, __m256i x) {
@@ -2227,22 +2249,11 @@ AI void tiled_tile_avx2_t(const Tiled *a, int64_t t, const int32_t *xd, const fl
                                _mm256_add_epi32(_mm256_slli_epi32(q[2], 16), _mm256_slli_epi32(q[1], 8)), q[0]))
                          : _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(q[2], 8), q[1])),
                                            _mm256_set1_ps(256.0f), _mm256_cvtepi32_ps(q[0]));
-            const __m256 sc = tiled_side8(a->scale, a->scale_f32, side + 8 * h);
-            if (a->symmetric) {
-                total[h] = _mm256_fmadd_ps(
-                    sc, _mm256_fmadd_ps(dot, _mm256_set1_ps(unit[blk]), _mm256_set1_ps(-mid * gsum[blk])), total[h]);
-            } else {
-                total[h] = _mm256_fmadd_ps(sc, _mm256_mul_ps(dot, _mm256_set1_ps(unit[blk])), total[h]);
-                total_off[h] = _mm256_fmadd_ps(tiled_side8(a->offset, a->scale_f32, side + 8 * h),
-                                               _mm256_set1_ps(gsum[blk]), total_off[h]);
-            }
+            tiles_block_sum8(&total[h], &total_off[h], dot, unit[blk], a->scale, a->symmetric ? NULL : a->offset,
+                             a->scale_f32, side + 8 * h, mid, gsum[blk]);
         }
     }
-    float o[16];
-    _mm256_storeu_ps(o, _mm256_add_ps(total[0], total_off[0]));
-    _mm256_storeu_ps(o + 8, _mm256_add_ps(total[1], total_off[1]));
-    const int64_t left = a->rows - t * 16;
-    memcpy(y + t * 16, o, (size_t)(left >= 16 ? 16 : left) * sizeof(float));
+    store_tile8x2(y, t, a->rows, total, total_off);
 }
 
 static void tiled_tile(const Tiled *a, int64_t t, const int32_t *xd, const float *unit, const float *gsum, float *y,
@@ -2258,7 +2269,7 @@ static void tiled_tile(const Tiled *a, int64_t t, const int32_t *xd, const float
 static int tiled_kinds(void) {
     if (!g_simd) return 0;
     if (HAVE_VNNI) return 1 << 8 | 1 << 4 | 1 << 3 | 1 << 2;
-    if (HAVE_TILES_AVX2) return 1 << 4 | 1 << 2;
+    if (HAVE_TILES_AVX2) return 1 << 4 | 1 << 3 | 1 << 2;
     return 0;
 }
 API int accel_tiled_kinds(void) { return tiled_kinds(); }
@@ -2545,6 +2556,100 @@ static void base3_tile(const Base3 *a, int64_t t, const int32_t *xd, const int64
 }
 #endif
 
+#if HAVE_TILES_AVX2
+/* Base-3 tiles on AVX2: half a tile (8 rows) at a time as the 4- and 2-bit ones. A digit of weight w comes off by
+ * two conditional subtractions (r1 = min(t, t - w), r2 = min(r1, r1 - w), bytes unsigned, so t - w wraps above t
+ * when t < w) and d = 2 - [t = r1] - [r1 = r2]; then vpmaddubsw against the input digits of its columns. A step adds
+ * at most 5 * 2 * 2 * 128 to a 16-bit sum, so a block's (at most 8 steps) stays exact. */
+
+/* the input digits of block b (see the VNNI base3_block_input), by a scalar loop */
+static int base3_block_input(const Base3 *a, const float *x, int32_t *xd, const int64_t *xoff, float *unit,
+                             float *gsum, int64_t b) {
+    const int64_t c0 = b * a->bw, c1 = c0 + a->bw < a->cols ? c0 + a->bw : a->cols, k0 = c0 / 20;
+    float mx = 0.0f, fac;
+    for (int64_t c = c0; c < c1; c++) {
+        const float v = fabsf(x[c]);
+        if (!(v <= FLT_MAX)) return 0; /* NaN or infinite */
+        mx = v > mx ? v : mx;
+    }
+    if (!block_exponent(mx, &fac, &unit[b])) return 0;
+    int8_t *d = (int8_t *)(xd + xoff[b]);
+    memset(d, 0, (size_t)(xoff[b + 1] - xoff[b]) * sizeof(int32_t));
+    int64_t sum = 0;
+    for (int64_t c = c0; c < c1; c++) {
+        const int32_t X = (int32_t)lrintf(x[c] * fac);
+        sum += X;
+        const int32_t X0 = (int8_t)(X & 0xff), R = (X - X0) >> 8, X1 = (int8_t)(R & 0xff);
+        const int64_t w = c % 20, at = ((c / 20 - k0) * 15 + (w % 5) * 3) * 4 + w / 5;
+        d[at] = (int8_t)X0;
+        d[at + 4] = (int8_t)X1;
+        d[at + 8] = (int8_t)((R - X1) >> 8);
+    }
+    gsum[b] = (float)((double)sum * (double)unit[b]);
+    return 1;
+}
+
+/* digit of weight w off both halves' bytes t[h] (left with the rest), times the 3 input pieces at xs */
+AI void base3_digit_avx2(__m256i s16[2][3], __m256i t[2], const int w, const int32_t *xs) {
+    const __m256i vw = _mm256_set1_epi8((char)w), two = _mm256_set1_epi8(2);
+    const __m256i x0 = _mm256_set1_epi32(xs[0]), x1 = _mm256_set1_epi32(xs[1]), x2 = _mm256_set1_epi32(xs[2]);
+    for (int h = 0; h < 2; h++) {
+        __m256i d = t[h];
+        if (w > 1) {
+            const __m256i r1 = _mm256_min_epu8(t[h], _mm256_sub_epi8(t[h], vw));
+            const __m256i r2 = _mm256_min_epu8(r1, _mm256_sub_epi8(r1, vw));
+            d = _mm256_add_epi8(_mm256_add_epi8(two, _mm256_cmpeq_epi8(t[h], r1)), _mm256_cmpeq_epi8(r1, r2));
+            t[h] = r2;
+        }
+        maddubs_add(&s16[h][0], d, x0);
+        maddubs_add(&s16[h][1], d, x1);
+        maddubs_add(&s16[h][2], d, x2);
+    }
+}
+
+static void base3_tile(const Base3 *a, int64_t t, const int32_t *xd, const int64_t *xoff, const float *unit,
+                       const float *gsum, float *y, const uint8_t *next) {
+    const uint8_t *base = a->tiles + t * a->steps * 64;
+    const int64_t ahead = next ? next - base : 0;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int64_t per_group = a->ngroups == 1 ? a->nblocks : a->group / a->bw;
+    __m256 total[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, total_off[2] = {total[0], total[0]};
+    for (int64_t b = 0, g = 0, in_g = 0; b < a->nblocks; b++, in_g++) {
+        if (in_g == per_group) {
+            g++;
+            in_g = 0;
+        }
+        const int64_t c0 = b * a->bw, c1 = c0 + a->bw < a->cols ? c0 + a->bw : a->cols;
+        const int64_t k0 = c0 / 20, k1 = (c1 - 1) / 20 + 1;
+        const int32_t *xb = xd + xoff[b];
+        __m256i s16[2][3];
+        for (int h = 0; h < 2; h++)
+            for (int p = 0; p < 3; p++) s16[h][p] = _mm256_setzero_si256();
+        for (int64_t k = k0; k < k1; k++) {
+            prefetch_line(base + k * 64, ahead);
+            __m256i tv[2] = {_mm256_loadu_si256((const __m256i *)(base + k * 64)),
+                             _mm256_loadu_si256((const __m256i *)(base + k * 64 + 32))};
+            const int32_t *xs = xb + (k - k0) * 15;
+            base3_digit_avx2(s16, tv, 81, xs + 12);
+            base3_digit_avx2(s16, tv, 27, xs + 9);
+            base3_digit_avx2(s16, tv, 9, xs + 6);
+            base3_digit_avx2(s16, tv, 3, xs + 3);
+            base3_digit_avx2(s16, tv, 1, xs);
+        }
+        const int64_t side = (t * a->ngroups + g) * 16;
+        for (int h = 0; h < 2; h++) { /* |sum q X| <= 2 * 2^22 * 128: the pieces combine exactly in int32 */
+            const __m256i q0 = _mm256_madd_epi16(s16[h][0], ones), q1 = _mm256_madd_epi16(s16[h][1], ones);
+            const __m256i q2 = _mm256_madd_epi16(s16[h][2], ones);
+            const __m256 dot = _mm256_cvtepi32_ps(
+                _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(q2, 16), _mm256_slli_epi32(q1, 8)), q0));
+            tiles_block_sum8(&total[h], &total_off[h], dot, unit[b], a->scale, a->symmetric ? NULL : a->offset,
+                             a->scale_f32, side + 8 * h, 1.0f, gsum[b]); /* symmetric: q - (L - 1) / 2 = q - 1 */
+        }
+    }
+    store_tile8x2(y, t, a->rows, total, total_off);
+}
+#endif
+
 API int accel_base3_tiled_matvec(const uint8_t *tiles, int symmetric, int scale_f32, const void *scale,
                                  const void *offset, int64_t rows, int64_t cols, int64_t group, const float *x,
                                  float *y, int nthreads) {
@@ -2552,7 +2657,7 @@ API int accel_base3_tiled_matvec(const uint8_t *tiles, int symmetric, int scale_
     int err = base3_init(&a, tiles, symmetric, scale_f32, scale, offset, rows, cols, group);
     if (err) return err;
     int nt = threads_for(nthreads, (double)rows * cols);
-#if HAVE_VNNI
+#if HAVE_VNNI || HAVE_TILES_AVX2
     if (tiled_kinds() & 1 << 3) {
         const int64_t ntiles = (rows + 15) / 16;
         int64_t *xoff = xalloc((size_t)(a.nblocks + 1) * sizeof(int64_t));
