@@ -190,9 +190,9 @@ def test_leech_matvec_and_tiles(simd, rng, shape, shells, layout):
 
 
 def test_leech_planes_tile_copy(rng):
-    """4-plane stages read a 16-row tile copy of their planes (GFNI bit transpose + integer products): against
-    float64 with rows and a width past whole tiles and steps, next to a gathered 3-plane stage; a non-finite input
-    takes the float path."""
+    """4-plane stages read a 16-row tile copy of their planes (AVX-512: GFNI bit transpose + integer products; AVX2:
+    byte subset-sum tables): against float64 with rows and a width past whole tiles and steps, next to a gathered
+    3-plane stage; a non-finite input takes the float path."""
 
     lib = _build.library()
     w = rng.standard_normal((37, 200))  # 3 tiles, the last of 5 rows; 216 columns = 27 bytes a plane row
@@ -205,6 +205,45 @@ def test_leech_planes_tile_copy(rng):
         x = rng.standard_normal(200).astype(np.float32)
         x[7] = np.nan
         assert not np.isfinite(kw.matvec(x)).any()
+
+
+@pytest.mark.parametrize("v,sign", [(7, 1.0), (-8, 1.0), (7, -1.0), (-8, -1.0), (None, None)])
+def test_leech_planes_tiles_at_their_integer_bounds(rng, v, sign):
+    """The integer tile kernels at the ends of their ranges: every coordinate's v at 7 or -8 with every rotated input
+    z just below a power of two (the largest rounded digits), all of one sign, so that the int8 digit sums, the
+    16-bit block sums and the int32 row sums are at their bounds; agrees with the scalar float path (no integers).
+    Codes of v = 7 everywhere are not lattice points, and the kernels need not care."""
+    from accel.formats.leech_codec import _plane_bits
+    from accel.formats.tensor import TensorEntry
+    from accel.kernels import kernel_weight
+
+    lib = _build.library()
+    if not lib.accel_leech_tiles_available():
+        pytest.skip("this CPU or compiler has no Leech tile kernels")
+    rows, cols = 40, 480  # 20 blocks: 3 steps past whole 128-coordinate blocks; no column padding
+    n = rows * cols // 24
+    if v is None:  # random v and signs, z of random sign at the largest magnitude
+        planes = rng.integers(0, 256, size=4 * 3 * n, dtype=np.uint8)
+        z = np.where(rng.random(cols) < 0.5, -1.999, 1.999)
+    else:
+        bits = [(v >> j) & 1 for j in range(4)]
+        planes = np.concatenate([np.full(3 * n, 255 * b, dtype=np.uint8) for b in bits])
+        z = np.full(cols, 1.999 * sign)
+    codes = np.concatenate([planes, rng.integers(0, 256, size=-(-n // 8), dtype=np.uint8)])
+    params = {"stages": [{"max_shell": 13, "alpha": 0.5}], "cols": cols, "seed_in": 3, "seed_out": 4,
+              "scale_dtype": "float16"}
+    assert _plane_bits(13) == 4
+    entry = TensorEntry("w", "leech", params, (rows, cols), "planes", "quantized")
+    kw = kernel_weight(entry, {"codes": codes, "scale": np.full(rows, 1.0, dtype=np.float16)})
+    assert len(kw.tiled) == 1
+    x = rht(z, 3, inverse=True).astype(np.float32)  # so that the kernel's z = V x is z again
+    out = kw.matvec(x)
+    lib.accel_set_simd(0)
+    try:
+        ref = kw.matvec(x)
+    finally:
+        lib.accel_set_simd(1)
+    assert _rel(out, ref) < 1e-5
 
 
 def test_leech_tiles_of_many_rows(simd, rng):

@@ -162,6 +162,13 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+/* *acc += the 16-bit pair sums of q's unsigned bytes times x's signed bytes. In assembly, as dpbusd_bcast: GCC
+ * otherwise reassociates the adds into trees of products that outlive the 16 registers (int2: 1000 spill moves) */
+AI void maddubs_add(__m256i *acc, __m256i q, __m256i x) {
+    __m256i t;
+    __asm__("vpmaddubsw %3, %2, %1\n\tvpaddw %1, %0, %0" : "+x"(*acc), "=&x"(t) : "x"(q), "x"(x));
+}
+
 /* lanes i < n all ones (AVX2's masked loads and gathers read the top bit of a lane) */
 static inline __m256i lanes8(int64_t n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n < 8 ? n : 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -1254,6 +1261,21 @@ AI __m256 lookup16(__m256i g, const float *t) {
     return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(g, 28)));
 }
 
+/* parity_tiled (AVX-512, above) on two halves of 8 rows, with lookup16: 6 operations per 4 blocks of 8 rows, where
+ * parity_term takes about 6 per 8 blocks of one row */
+static void parity_tiled(const uint32_t *pt, int64_t words, const float *ptab, float *out) {
+    __m256 a[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t k = 0; k < words; k++) {
+        const float *tb = ptab + 128 * k;
+        for (int h = 0; h < 2; h++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(pt + 16 * k + 8 * h));
+            for (int n = 0; n < 8; n++) a[h] = _mm256_add_ps(a[h], lookup16(_mm256_srli_epi32(v, 4 * n), tb + 16 * n));
+        }
+    }
+    _mm256_storeu_ps(out, a[0]);
+    _mm256_storeu_ps(out + 8, a[1]);
+}
+
 /* the 4 bytes (8 nibbles) of one dword per lane of each plane, looked up in the tables at tk, into acc */
 AI void lookup_dword8(const __m256i *G, const float *tk, __m256 *acc, const int bits) {
     for (int j = 0; j < bits; j++)
@@ -1663,7 +1685,163 @@ static void onehot_int_tile(const uint8_t *tile, int64_t steps, const uint32_t *
 #define HAVE_ONEHOT_INT 0
 #endif
 
-API int accel_leech_tiles_available(void) { return HAVE_LEECH_TILES && g_simd; }
+/* ------------------------------------------------------------ Leech planes, 16-row tiles on AVX2 (byte tables) */
+/* Without AVX-512 there is no gf2p8affineqb to turn a row's four plane bytes into nibbles, and the bit-by-bit
+ * transpose costs more than the products. So the AVX2 kernel reads the same tile copy and looks the planes up
+ * instead, as the row kernels do, but in bytes (32 lookups a vpshufb, against 8 floats a vpermps):
+ * - z is rounded per block of 128 coordinates to X = round(z fac), |X| < 2^22 * 15 / 64 < 2^20 (the VNNI tiles'
+ *   block scale times 15 / 64), and written as four digits, X = sum_p 32^p d_p, d_0..d_2 in [-16, 15] (balanced
+ *   base 32) and d_3 in [-32, 31];
+ * - per coordinate nibble (4 coordinates of a plane byte) and digit p, a 16-entry byte table holds the subset sums
+ *   of the 4 coordinates' d_p (built once a call): a lookup is one vpshufb for 32 (row, plane) bytes, and for
+ *   d_0..d_2 the two nibbles of a byte add in int8 (8 digits: [-128, 120]; d_3 takes a vpmaddubsw a nibble);
+ * - the top plane is complemented on load (u = v + 8 has the top bit flipped, sum v z = sum u z - 8 sum z, with the
+ *   block sums of the rounded z), so the plane weights 8, 4, 2, 1 are unsigned and vpmaddubsw applies them to the
+ *   signed sums and adds plane pairs into 16-bit lanes; a block's 8 steps stay below 2^15 (|8 a + 4 b| <= 12 * 128
+ *   a byte pair, two of them a step and accumulator); vpmaddwd by ones sums a row's two lanes once a block.
+ * A step's half-tile (8 rows x one qword: dword 0 = byte 2s + 1 of planes 3..0, dword 1 = byte 2s) is regrouped by
+ * one byte shift and one dword blend per register into A (byte 2s of rows 0,4,1,5 | 2,6,3,7) and B (byte 2s + 1),
+ * so every 128-bit lane of A or B reads one table. */
+#if HAVE_AVX2
+#define HAVE_LEECH_LUT 1
+#define LUT_PIECES 4 /* digits of 5, 5, 5 and 6 bits: 21 bits (5 digits of 5 bits, 24 bits, measured 1.14x slower) */
+
+/* the 16-byte tables tabs[((s * LUT_PIECES + p) * 4 + 2 a + h) * 16 + n] (step s, plane byte 2s + a, nibble h,
+ * digit p) and per block of 8 steps unit[b] and zsum[b] = unit * sum X; 0 if an element is not finite */
+static int leech_lut_input(const float *z, int64_t cols, int64_t steps, int8_t *tabs, float *unit, float *zsum) {
+    const int64_t nblocks = (steps + 7) / 8;
+    __m256i pick[4], bit[4]; /* lane 0 broadcasts digit t of the low nibble, lane 1 of the high one */
+    for (int t = 0; t < 4; t++) {
+        pick[t] = _mm256_setr_m128i(_mm_set1_epi8((char)t), _mm_set1_epi8((char)(4 + t)));
+        int8_t m[16];
+        for (int n = 0; n < 16; n++) m[n] = (int8_t)((n >> t) & 1 ? -1 : 0);
+        const __m128i mm = _mm_loadu_si128((const __m128i *)m);
+        bit[t] = _mm256_setr_m128i(mm, mm);
+    }
+    const __m256i to_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                              0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i sixteen = _mm256_set1_epi32(16), low5 = _mm256_set1_epi32(31);
+    for (int64_t b = 0; b < nblocks; b++) {
+        const int64_t c0 = b * 128, c1 = c0 + 128 < cols ? c0 + 128 : cols;
+        __m256 vmax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+        const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        for (int64_t c = c0; c < c1; c += 8) {
+            const __m256 v = _mm256_maskload_ps(z + c, lanes8(c1 - c));
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            vmax = _mm256_max_ps(vmax, _mm256_and_ps(v, absmask));
+        }
+        float mx[8], fac;
+        _mm256_storeu_ps(mx, vmax);
+        for (int i = 1; i < 8; i++) mx[0] = mx[i] > mx[0] ? mx[i] : mx[0];
+        if (_mm256_movemask_ps(bad) || !(mx[0] <= FLT_MAX) || !block_exponent(mx[0], &fac, &unit[b])) return 0;
+        fac *= 15.0f / 64.0f; /* exact (fac is a power of two); |X| < 983040 <= 15 (1 + 32 + 1024) + 31 * 32768 */
+        if (fac < FLT_MIN) return 0;
+        unit[b] = 1.0f / fac;
+        int8_t d[LUT_PIECES][128]; /* the block's digits, zero past the columns */
+        __m256i vsum = _mm256_setzero_si256();
+        for (int i = 0; i < 128; i += 8) {
+            const int64_t c = c0 + i;
+            const __m256 v = c < c1 ? _mm256_maskload_ps(z + c, lanes8(c1 - c)) : _mm256_setzero_ps();
+            __m256i X = _mm256_cvtps_epi32(_mm256_mul_ps(v, _mm256_set1_ps(fac))); /* nearest even, as lrintf */
+            vsum = _mm256_add_epi32(vsum, X);
+            for (int p = 0; p < LUT_PIECES; p++) { /* d = ((X + 16) mod 32) - 16, X = (X - d) / 32 (exact); d_3 = X */
+                const __m256i dp = p == LUT_PIECES - 1
+                                       ? X
+                                       : _mm256_sub_epi32(_mm256_and_si256(_mm256_add_epi32(X, sixteen), low5), sixteen);
+                X = _mm256_srai_epi32(_mm256_sub_epi32(X, dp), 5);
+                const __m256i by = _mm256_shuffle_epi8(dp, to_bytes); /* bytes 0-3 of each lane */
+                _mm_storel_epi64((__m128i *)(d[p] + i),
+                                 _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(by, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0))));
+            }
+        }
+        int32_t s8[8];
+        _mm256_storeu_si256((__m256i *)s8, vsum);
+        int64_t sum = 0;
+        for (int i = 0; i < 8; i++) sum += s8[i];
+        zsum[b] = (float)((double)sum * (double)unit[b]);
+        for (int64_t cb = 0; cb < 16 && 16 * b + cb < 2 * steps; cb++) { /* plane byte 16 b + cb: 8 coordinates */
+            const int64_t B = 16 * b + cb, s = B / 2, a = B % 2;
+            for (int p = 0; p < LUT_PIECES; p++) {
+                const __m256i R = _mm256_set1_epi64x(*(const int64_t *)(d[p] + 8 * cb));
+                __m256i T = _mm256_and_si256(_mm256_shuffle_epi8(R, pick[0]), bit[0]);
+                for (int t = 1; t < 4; t++) T = _mm256_add_epi8(T, _mm256_and_si256(_mm256_shuffle_epi8(R, pick[t]), bit[t]));
+                _mm256_storeu_si256((__m256i *)(tabs + ((s * LUT_PIECES + p) * 4 + 2 * a) * 16), T);
+            }
+        }
+    }
+    return 1;
+}
+
+/* a step's 8 rows (half h of the tile copy) into the 16-bit sums acc[p] (acc[LUT_PIECES]: the top digit's B half) */
+AI void leech_lut_step(const uint8_t *q, const int8_t *tk, __m256i acc[LUT_PIECES + 1]) {
+    const __m256i nib = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi32(0xff), w = _mm256_set1_epi32(0x01020408);
+    const __m256i L0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)q), flip); /* rows 0-3; top plane */
+    const __m256i L1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + 32)), flip); /* rows 4-7 */
+    const __m256i B = _mm256_blend_epi32(L0, _mm256_slli_si256(L1, 4), 0xaa);
+    const __m256i A = _mm256_blend_epi32(_mm256_srli_si256(L0, 4), L1, 0xaa);
+    const __m256i alo = _mm256_and_si256(A, nib), ahi = _mm256_and_si256(_mm256_srli_epi16(A, 4), nib);
+    const __m256i blo = _mm256_and_si256(B, nib), bhi = _mm256_and_si256(_mm256_srli_epi16(B, 4), nib);
+#define LUT_LOOKUP(t, ix) _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(t))), ix)
+    for (int p = 0; p < LUT_PIECES - 1; p++) { /* 5-bit digits: a byte's two nibbles add in int8 */
+        const int8_t *t = tk + p * 64;
+        maddubs_add(&acc[p], w, _mm256_add_epi8(LUT_LOOKUP(t, alo), LUT_LOOKUP(t + 16, ahi)));
+        maddubs_add(&acc[p], w, _mm256_add_epi8(LUT_LOOKUP(t + 32, blo), LUT_LOOKUP(t + 48, bhi)));
+    }
+    /* the 6-bit top digit: a nibble's sums fill a byte; two accumulators (A, B), as 8 steps of both would not fit */
+    const int8_t *t = tk + (LUT_PIECES - 1) * 64;
+    maddubs_add(&acc[LUT_PIECES - 1], w, LUT_LOOKUP(t, alo));
+    maddubs_add(&acc[LUT_PIECES - 1], w, LUT_LOOKUP(t + 16, ahi));
+    maddubs_add(&acc[LUT_PIECES], w, LUT_LOOKUP(t + 32, blo));
+    maddubs_add(&acc[LUT_PIECES], w, LUT_LOOKUP(t + 48, bhi));
+#undef LUT_LOOKUP
+}
+
+/* out[i] = sum_c v_c z_c for the 16 rows of tile t of a tiled 4-plane stage */
+static void leech_lut_tile(const uint8_t *tiles, int64_t steps, int64_t t, const int8_t *tabs, const float *unit,
+                           const float *zsum, float *out) {
+    const uint8_t *base = tiles + t * steps * 128;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 total[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    float corr = 0.0f;
+    const int64_t nblocks = (steps + 7) / 8, part = (nblocks + TILE_STREAMS - 1) / TILE_STREAMS;
+    for (int64_t bi = 0; bi < part * TILE_STREAMS; bi++) { /* the parts of the tile in turn ("Streaming") */
+        const int64_t b = (bi % TILE_STREAMS) * part + bi / TILE_STREAMS;
+        if (b >= nblocks) continue;
+        const int64_t k1 = b * 8 + 8 < steps ? b * 8 + 8 : steps;
+        for (int h = 0; h < 2; h++) {
+            __m256i acc[LUT_PIECES + 1];
+            for (int p = 0; p <= LUT_PIECES; p++) acc[p] = _mm256_setzero_si256();
+            for (int64_t k = b * 8; k < k1; k++) {
+                if (!h) {
+                    prefetch_line(base + k * 128, steps * 128); /* and the next tile's line */
+                    prefetch_line(base + k * 128 + 64, steps * 128);
+                }
+                leech_lut_step(base + k * 128 + h * 64, tabs + k * LUT_PIECES * 64, acc);
+            }
+            __m256i s[LUT_PIECES]; /* lanes: rows 0, 4, 1, 5, 2, 6, 3, 7 of the half */
+            for (int p = 0; p < LUT_PIECES; p++) s[p] = _mm256_madd_epi16(acc[p], ones);
+            s[LUT_PIECES - 1] = _mm256_add_epi32(s[LUT_PIECES - 1], _mm256_madd_epi16(acc[LUT_PIECES], ones));
+            /* sum_p 32^p s_p, exact in int32: |s_p| <= 128 * 15 * 32, so |sum| < 2^31 */
+            const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(s[0], _mm256_slli_epi32(s[1], 5)),
+                                                 _mm256_add_epi32(_mm256_slli_epi32(s[2], 10), _mm256_slli_epi32(s[3], 15)));
+            const __m256 dot = _mm256_cvtepi32_ps(sum);
+            total[h] = _mm256_fmadd_ps(dot, _mm256_set1_ps(unit[b]), total[h]);
+        }
+        corr -= 8.0f * zsum[b]; /* sum v z = sum u z - 8 sum z */
+    }
+    const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7), c = _mm256_castps_si256(_mm256_set1_ps(corr));
+    for (int h = 0; h < 2; h++)
+        _mm256_storeu_ps(out + 8 * h, _mm256_add_ps(_mm256_permutevar8x32_ps(total[h], order), _mm256_castsi256_ps(c)));
+}
+#else
+#define HAVE_LEECH_LUT 0
+#endif
+
+/* which Leech tile copies this build's kernels read: bit 0 4-plane stages, bit 1 onehot stages */
+static int leech_tile_kinds(void) { return HAVE_LEECH_TILES ? 3 : (HAVE_LEECH_LUT ? 1 : 0); }
+
+/* the Leech tile copies the kernels read on this CPU (bit 0: 4-plane stages, bit 1: onehot stages), 0 without SIMD */
+API int accel_leech_tiles_available(void) { return g_simd ? leech_tile_kinds() : 0; }
 
 /* t[r] = scale[r] * sum_s alpha_s <x_s[r], z> for rows [0, rows), in tiles of 16 rows */
 static void leech_rows(const Leech *L, const float *z, const float *zb, float *t, int nthreads) {
@@ -1697,9 +1875,25 @@ static void leech_rows(const Leech *L, const float *z, const float *zb, float *t
 #endif
     }
 #endif
+#if HAVE_LEECH_LUT
+    int8_t *ltab = NULL; /* the AVX2 tiles' byte tables, then per block unit and zsum */
+    float *lunit = NULL;
+    const int64_t lblocks = (tsteps + 7) / 8;
+    if (g_simd && (L->tiled[0] || (L->nstages > 1 && L->tiled[1]))) {
+        ltab = xalloc((size_t)tsteps * LUT_PIECES * 64);
+        lunit = xalloc((size_t)lblocks * 2 * sizeof(float));
+        if (leech_lut_input(z, L->cols, tsteps, ltab, lunit, lunit + lblocks)) {
+            need_tab = 0;
+            for (int s = 0; s < L->nstages; s++) need_tab |= !L->tiled[s];
+        } else { /* a non-finite input: the float path */
+            free(ltab);
+            ltab = NULL;
+        }
+    }
+#endif
     float *ptab = NULL; /* parity tables for the tile copies' parity words */
     const int64_t pwords = (L->nblk + 31) / 32;
-#if HAVE_AVX512
+#if HAVE_AVX512 || HAVE_AVX2
     if (g_simd && (L->tiled[0] || (L->nstages > 1 && L->tiled[1]))) {
         float *zbp = xalloc((size_t)pwords * 32 * sizeof(float));
         memset(zbp, 0, (size_t)pwords * 32 * sizeof(float));
@@ -1756,6 +1950,11 @@ static void leech_rows(const Leech *L, const float *z, const float *zb, float *t
                 } else
 #elif HAVE_AVX2
                 if (g_simd) {
+#if HAVE_LEECH_LUT
+                    if (ltab && L->tiled[s] && !onehot)
+                        leech_lut_tile(L->tiled[s], tsteps, tile, ltab, lunit, lunit + lblocks, vals);
+                    else
+#endif
                     for (int h = 0; h < nr; h += 8) { /* the tile in two halves of 8 rows */
                         const int nh = nr - h < 8 ? nr - h : 8;
                         if (onehot) onehot_tile8(base, plane, rowbytes, r0 + h, nh, pm + h * rowbytes, tab, vals + h,
@@ -1772,7 +1971,7 @@ static void leech_rows(const Leech *L, const float *z, const float *zb, float *t
                     else planes_tail(p, plane, rowbytes, 0, nr, tab, vals, L->param[s]);
                 }
                 float pv[16]; /* x = 2 v + p: the parity term from the tile copy's parity words, or from the stream */
-#if HAVE_AVX512
+#if HAVE_AVX512 || HAVE_AVX2
                 if (g_simd && pw) parity_tiled(pw, pwords, ptab, pv);
                 else
 #endif
@@ -1790,6 +1989,10 @@ static void leech_rows(const Leech *L, const float *z, const float *zb, float *t
     free(tunit);
     free(xo);
 #endif
+#if HAVE_LEECH_LUT
+    free(ltab);
+    free(lunit);
+#endif
 }
 
 /* y = U^T T V x: V as (sign, R, odd size), U as (sign, R^T, odd size); x has in_features <= cols entries (zero padded) */
@@ -1802,8 +2005,11 @@ API int accel_leech_matvec(int nstages, const uint8_t *const *streams, const int
     Leech L;
     int err = leech_init(&L, nstages, streams, stream_bytes, layout, param, alpha, scale, rows, cols);
     if (err) return err;
-    for (int s = 0; s < nstages && tiled; s++) /* tile copies of 4-plane and onehot stages */
-        L.tiled[s] = (layout[s] == LEECH_PLANES && param[s] == 4) || layout[s] == LEECH_ONEHOT ? tiled[s] : NULL;
+    for (int s = 0; s < nstages && tiled; s++) /* tile copies of 4-plane and onehot stages, where read here */
+        L.tiled[s] = (layout[s] == LEECH_PLANES && param[s] == 4 && (leech_tile_kinds() & 1)) ||
+                             (layout[s] == LEECH_ONEHOT && (leech_tile_kinds() & 2))
+                         ? tiled[s]
+                         : NULL;
     if (in_features > cols || in_features < 1 || odd_in < 1 || cols % odd_in || odd_out < 1 || rows % odd_out)
         return -1;
     int64_t big = cols > rows ? cols : rows;
@@ -2185,12 +2391,6 @@ AI void store_tile8x2(float *y, int64_t t, int64_t rows, const __m256 total[2], 
     memcpy(y + t * 16, o, (size_t)(left >= 16 ? 16 : left) * sizeof(float));
 }
 
-/* *acc += the 16-bit pair sums of q's unsigned bytes times x's signed bytes. In assembly, as dpbusd_bcast: GCC
- * otherwise reassociates the adds into trees of products that outlive the 16 registers (int2: 1000 spill moves) */
-AI void maddubs_add(__m256i *acc, __m256i q, __m256i x) {
-    __m256i t;
-    __asm__("vpmaddubsw %3, %2, %1\n\tvpaddw %1, %0, %0" : "+x"(*acc), "=&x"(t) : "x"(q), "x"(x));
-}
 
 /* step k (both halves) into the 16-bit sums s16[half][piece] */
 AI void tiled_step_avx2(__m256i s16[2][3], const uint8_t *base, const int32_t *xd, int64_t k, int64_t ahead,
