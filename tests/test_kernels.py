@@ -207,13 +207,36 @@ def test_leech_planes_tile_copy(rng):
         assert not np.isfinite(kw.matvec(x)).any()
 
 
-@pytest.mark.parametrize("v,sign", [(7, 1.0), (-8, 1.0), (7, -1.0), (-8, -1.0), (None, None)])
-def test_leech_planes_tiles_at_their_integer_bounds(rng, v, sign):
-    """The integer tile kernels at the ends of their ranges: every coordinate's v at 7 or -8 with every rotated input
-    z just below a power of two (the largest rounded digits), all of one sign, so that the int8 digit sums, the
-    16-bit block sums and the int32 row sums are at their bounds; agrees with the scalar float path (no integers).
-    Codes of v = 7 everywhere are not lattice points, and the kernels need not care."""
-    from accel.formats.leech_codec import _plane_bits
+def _extreme_leech_codes(layout: str, v: int | None, n: int, rng) -> np.ndarray:
+    """A stage's stored codes for n blocks with every coordinate's v (x = 2 v + p) at v, or random (v None): planes
+    of v's bits, or onehot masks, sign and parity; not lattice points, which the kernels need not be."""
+    from accel.formats.leech_codec import LeechOneHotLayout, _plane_bits
+
+    parity = rng.integers(0, 256, size=-(-n // 8), dtype=np.uint8)
+    if layout == "planes":
+        assert _plane_bits(13) == 4
+        if v is None:
+            return np.concatenate([rng.integers(0, 256, size=4 * 3 * n, dtype=np.uint8), parity])
+        return np.concatenate([np.full(3 * n, 255 * ((v >> j) & 1), dtype=np.uint8) for j in range(4)] + [parity])
+    K = LeechOneHotLayout(13)._levels()
+    if v is None:  # a random magnitude k in 0..K a coordinate, random signs
+        k = rng.integers(0, K + 1, size=24 * n)
+        masks = [np.packbits(k == level, bitorder="little") for level in range(1, K + 1)]
+        return np.concatenate(masks + [rng.integers(0, 256, size=3 * n, dtype=np.uint8), parity])
+    # v = 6 (k = K, positive) or v = -7 (k = K, negative, odd parity: x = -13): the ends onehot reaches
+    full, empty = np.full(3 * n, 255, dtype=np.uint8), np.zeros(3 * n, dtype=np.uint8)
+    masks = [full if level == K else empty for level in range(1, K + 1)]
+    return np.concatenate(masks + [full if v < 0 else empty, np.full(-(-n // 8), 255 if v < 0 else 0, np.uint8)])
+
+
+@pytest.mark.parametrize("layout,v", [("planes", 7), ("planes", -8), ("planes", None), ("onehot", 6),
+                                      ("onehot", -7), ("onehot", None)])
+@pytest.mark.parametrize("sign", [1.0, -1.0, None])
+def test_leech_tiles_at_their_integer_bounds(rng, layout, v, sign):
+    """The integer tile kernels at the ends of their ranges: every coordinate's v at its largest or smallest value
+    with every rotated input z just below a power of two (the largest rounded digits), all of one sign (or random),
+    so that the int8 digit sums, the 16-bit block sums and the int32 row sums reach their bounds; agrees with the
+    scalar float path, which has no integers."""
     from accel.formats.tensor import TensorEntry
     from accel.kernels import kernel_weight
 
@@ -222,18 +245,11 @@ def test_leech_planes_tiles_at_their_integer_bounds(rng, v, sign):
         pytest.skip("this CPU or compiler has no Leech tile kernels")
     rows, cols = 40, 480  # 20 blocks: 3 steps past whole 128-coordinate blocks; no column padding
     n = rows * cols // 24
-    if v is None:  # random v and signs, z of random sign at the largest magnitude
-        planes = rng.integers(0, 256, size=4 * 3 * n, dtype=np.uint8)
-        z = np.where(rng.random(cols) < 0.5, -1.999, 1.999)
-    else:
-        bits = [(v >> j) & 1 for j in range(4)]
-        planes = np.concatenate([np.full(3 * n, 255 * b, dtype=np.uint8) for b in bits])
-        z = np.full(cols, 1.999 * sign)
-    codes = np.concatenate([planes, rng.integers(0, 256, size=-(-n // 8), dtype=np.uint8)])
+    z = np.where(rng.random(cols) < 0.5, -1.999, 1.999) if sign is None else np.full(cols, 1.999 * sign)
     params = {"stages": [{"max_shell": 13, "alpha": 0.5}], "cols": cols, "seed_in": 3, "seed_out": 4,
               "scale_dtype": "float16"}
-    assert _plane_bits(13) == 4
-    entry = TensorEntry("w", "leech", params, (rows, cols), "planes", "quantized")
+    entry = TensorEntry("w", "leech", params, (rows, cols), layout, "quantized")
+    codes = _extreme_leech_codes(layout, v, n, rng)
     kw = kernel_weight(entry, {"codes": codes, "scale": np.full(rows, 1.0, dtype=np.float16)})
     assert len(kw.tiled) == 1
     x = rht(z, 3, inverse=True).astype(np.float32)  # so that the kernel's z = V x is z again

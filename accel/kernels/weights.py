@@ -256,11 +256,10 @@ class LeechWeight(KernelWeight):
         self.streams = streams
         self._lib = library()
         # 4-plane and onehot stages also get a 16-row tile copy of their bit planes, read with plain loads instead
-        # of gathers, followed by a tile copy of their parity bits (accel_kernels.c), where this CPU's kernels read
-        # one (accel_leech_tiles_available: bit 0 4-plane stages, bit 1 onehot; AVX2: 4-plane only); the stored
-        # streams stay for decode_rows and the float path
-        tile_kinds = int(self._lib.accel_leech_tiles_available())
-        tiled = [_leech_tile_copy(s, kind, n, self.shape[0], self.cols) if tile_kinds >> kind & 1 else None
+        # of gathers, followed by a tile copy of their parity bits (accel_kernels.c); the stored streams stay for
+        # decode_rows and the float path
+        tiles_ok = bool(self._lib.accel_leech_tiles_available())
+        tiled = [_leech_tile_copy(s, kind, n, self.shape[0], self.cols) if tiles_ok else None
                  for s, kind, n in zip(streams, kinds, params, strict=True)]
         self.tiled = [t for t in tiled if t is not None]
         self._tiled_ptrs = (ctypes.c_void_p * len(tiled))(*[None if t is None else t.ctypes.data for t in tiled])

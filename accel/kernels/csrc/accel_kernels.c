@@ -1772,35 +1772,50 @@ static int leech_lut_input(const float *z, int64_t cols, int64_t steps, int8_t *
     return 1;
 }
 
-/* a step's 8 rows (half h of the tile copy) into the 16-bit sums acc[p] (acc[LUT_PIECES]: the top digit's B half) */
+#define LUT_LOOKUP(t, ix) _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(t))), ix)
+/* 32 (row, plane) bytes of one plane byte per 128-bit lane (lo, hi: their nibbles), looked up in that byte's tables
+ * t (digit p at t + 64 p, the high nibble's 16 bytes on), into the 16-bit sums acc[p] and, for the top digit, *top */
+AI void lut_byte(__m256i lo, __m256i hi, const int8_t *t, __m256i *acc, __m256i *top) {
+    const __m256i w = _mm256_set1_epi32(0x01020408); /* bytes: planes 3, 2, 1, 0 */
+    for (int p = 0; p < LUT_PIECES - 1; p++) /* 5-bit digits: the byte's two nibbles add in int8 */
+        maddubs_add(&acc[p], w, _mm256_add_epi8(LUT_LOOKUP(t + 64 * p, lo), LUT_LOOKUP(t + 64 * p + 16, hi)));
+    const int8_t *tt = t + 64 * (LUT_PIECES - 1); /* the 6-bit top digit: a nibble's sums fill a byte */
+    maddubs_add(top, w, LUT_LOOKUP(tt, lo));
+    maddubs_add(top, w, LUT_LOOKUP(tt + 16, hi));
+}
+#undef LUT_LOOKUP
+
+AI __m256i lut_low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
+AI __m256i lut_high_nibbles(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f)); }
+
+/* a block's 16-bit sums of 8 rows (acc[LUT_PIECES]: the top digit's second accumulator) as float row sums * unit */
+AI __m256 lut_block_dot(const __m256i acc[LUT_PIECES + 1], float unit) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i s[LUT_PIECES];
+    for (int p = 0; p < LUT_PIECES; p++) s[p] = _mm256_madd_epi16(acc[p], ones);
+    s[LUT_PIECES - 1] = _mm256_add_epi32(s[LUT_PIECES - 1], _mm256_madd_epi16(acc[LUT_PIECES], ones));
+    /* sum_p 32^p s_p, exact in int32: |s_p| <= 128 * 15 * 32, so |sum| < 2^31 */
+    const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(s[0], _mm256_slli_epi32(s[1], 5)),
+                                         _mm256_add_epi32(_mm256_slli_epi32(s[2], 10), _mm256_slli_epi32(s[3], 15)));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(unit));
+}
+
+/* a step's 8 rows (half h of the tile copy) into the 16-bit sums acc */
 AI void leech_lut_step(const uint8_t *q, const int8_t *tk, __m256i acc[LUT_PIECES + 1]) {
-    const __m256i nib = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi32(0xff), w = _mm256_set1_epi32(0x01020408);
+    const __m256i flip = _mm256_set1_epi32(0xff);
     const __m256i L0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)q), flip); /* rows 0-3; top plane */
     const __m256i L1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + 32)), flip); /* rows 4-7 */
     const __m256i B = _mm256_blend_epi32(L0, _mm256_slli_si256(L1, 4), 0xaa);
     const __m256i A = _mm256_blend_epi32(_mm256_srli_si256(L0, 4), L1, 0xaa);
-    const __m256i alo = _mm256_and_si256(A, nib), ahi = _mm256_and_si256(_mm256_srli_epi16(A, 4), nib);
-    const __m256i blo = _mm256_and_si256(B, nib), bhi = _mm256_and_si256(_mm256_srli_epi16(B, 4), nib);
-#define LUT_LOOKUP(t, ix) _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(t))), ix)
-    for (int p = 0; p < LUT_PIECES - 1; p++) { /* 5-bit digits: a byte's two nibbles add in int8 */
-        const int8_t *t = tk + p * 64;
-        maddubs_add(&acc[p], w, _mm256_add_epi8(LUT_LOOKUP(t, alo), LUT_LOOKUP(t + 16, ahi)));
-        maddubs_add(&acc[p], w, _mm256_add_epi8(LUT_LOOKUP(t + 32, blo), LUT_LOOKUP(t + 48, bhi)));
-    }
-    /* the 6-bit top digit: a nibble's sums fill a byte; two accumulators (A, B), as 8 steps of both would not fit */
-    const int8_t *t = tk + (LUT_PIECES - 1) * 64;
-    maddubs_add(&acc[LUT_PIECES - 1], w, LUT_LOOKUP(t, alo));
-    maddubs_add(&acc[LUT_PIECES - 1], w, LUT_LOOKUP(t + 16, ahi));
-    maddubs_add(&acc[LUT_PIECES], w, LUT_LOOKUP(t + 32, blo));
-    maddubs_add(&acc[LUT_PIECES], w, LUT_LOOKUP(t + 48, bhi));
-#undef LUT_LOOKUP
+    /* the top digit in two accumulators (A, B), as 8 steps of both would not fit 16 bits */
+    lut_byte(lut_low_nibbles(A), lut_high_nibbles(A), tk, acc, &acc[LUT_PIECES - 1]);
+    lut_byte(lut_low_nibbles(B), lut_high_nibbles(B), tk + 32, acc, &acc[LUT_PIECES]);
 }
 
 /* out[i] = sum_c v_c z_c for the 16 rows of tile t of a tiled 4-plane stage */
 static void leech_lut_tile(const uint8_t *tiles, int64_t steps, int64_t t, const int8_t *tabs, const float *unit,
                            const float *zsum, float *out) {
     const uint8_t *base = tiles + t * steps * 128;
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256 total[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     float corr = 0.0f;
     const int64_t nblocks = (steps + 7) / 8, part = (nblocks + TILE_STREAMS - 1) / TILE_STREAMS;
@@ -1818,30 +1833,89 @@ static void leech_lut_tile(const uint8_t *tiles, int64_t steps, int64_t t, const
                 }
                 leech_lut_step(base + k * 128 + h * 64, tabs + k * LUT_PIECES * 64, acc);
             }
-            __m256i s[LUT_PIECES]; /* lanes: rows 0, 4, 1, 5, 2, 6, 3, 7 of the half */
-            for (int p = 0; p < LUT_PIECES; p++) s[p] = _mm256_madd_epi16(acc[p], ones);
-            s[LUT_PIECES - 1] = _mm256_add_epi32(s[LUT_PIECES - 1], _mm256_madd_epi16(acc[LUT_PIECES], ones));
-            /* sum_p 32^p s_p, exact in int32: |s_p| <= 128 * 15 * 32, so |sum| < 2^31 */
-            const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(s[0], _mm256_slli_epi32(s[1], 5)),
-                                                 _mm256_add_epi32(_mm256_slli_epi32(s[2], 10), _mm256_slli_epi32(s[3], 15)));
-            const __m256 dot = _mm256_cvtepi32_ps(sum);
-            total[h] = _mm256_fmadd_ps(dot, _mm256_set1_ps(unit[b]), total[h]);
+            total[h] = _mm256_add_ps(total[h], lut_block_dot(acc, unit[b])); /* rows 0, 4, 1, 5, 2, 6, 3, 7 */
         }
         corr -= 8.0f * zsum[b]; /* sum v z = sum u z - 8 sum z */
     }
-    const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7), c = _mm256_castps_si256(_mm256_set1_ps(corr));
+    const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
     for (int h = 0; h < 2; h++)
-        _mm256_storeu_ps(out + 8 * h, _mm256_add_ps(_mm256_permutevar8x32_ps(total[h], order), _mm256_castsi256_ps(c)));
+        _mm256_storeu_ps(out + 8 * h, _mm256_add_ps(_mm256_permutevar8x32_ps(total[h], order), _mm256_set1_ps(corr)));
+}
+
+/* Onehot stages on AVX2: the tile copy's step k (32 coordinates of 16 rows: per plane 16 rows x 4 bytes) half by
+ * half, bit-sliced into the planes of v as in onehot_tiled_step (sign-extended to 4 planes), then a 4 x 4 byte
+ * transpose per row (one vpshufb a plane, two rounds of unpacks) gives four registers of one plane byte each, rows
+ * 0-3 | 4-7 with their planes 3..0 in a dword, looked up as the 4-plane tiles are. */
+AI void onehot_lut_step(const uint8_t *tile, int64_t k, int h, int64_t ahead, const uint32_t *pw, int64_t pwords,
+                        const int8_t *tk, __m256i acc[LUT_PIECES + 1], const int K) {
+    const int nb = onehot_value_bits(K);
+    const uint8_t *q = tile + k * (K + 1) * 64 + 32 * h;
+    if (!h)
+        for (int m = 0; m <= K; m++) prefetch_line(q + m * 64, ahead);
+    __m256i M[6], V[4];
+    for (int m = 0; m < K; m++) M[m] = _mm256_loadu_si256((const __m256i *)(q + m * 64));
+    const __m256i S = _mm256_loadu_si256((const __m256i *)(q + K * 64));
+    const int64_t b0 = 4 * k / 3, w = b0 / 32; /* the spread parity, as onehot_tiled_step */
+    const int sh = (int)(b0 % 32);
+    __m256i pb = w < pwords ? _mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(pw + 16 * w + 8 * h)), sh)
+                            : _mm256_setzero_si256();
+    if (sh == 31 && w + 1 < pwords)
+        pb = _mm256_or_si256(pb, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(pw + 16 * (w + 1) + 8 * h)), 1));
+    const uint32_t m0 = 0xffffffffu >> (8 + 8 * (k % 3));
+    const __m256i zero = _mm256_setzero_si256(), one = _mm256_set1_epi32(1);
+    const __m256i p0 = _mm256_sub_epi32(zero, _mm256_and_si256(pb, one)); /* all ones where b0 is odd */
+    const __m256i p1 = _mm256_sub_epi32(zero, _mm256_and_si256(_mm256_srli_epi32(pb, 1), one));
+    const __m256i P = _mm256_or_si256(_mm256_and_si256(p0, _mm256_set1_epi32((int)m0)),
+                                      _mm256_and_si256(p1, _mm256_set1_epi32((int)~m0)));
+    ONEHOT_SLICE(__m256i, zero, M, P, S, V, K, nb);
+    for (int j = nb + 1; j < 4; j++) V[j] = V[nb]; /* sign-extend v to 4 bits */
+    V[3] = _mm256_xor_si256(V[3], _mm256_set1_epi8(-1)); /* u = v + 8 */
+    const __m256i tr = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                        0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    __m256i T[4]; /* per lane: dword b = byte b of the lane's 4 rows */
+    for (int j = 0; j < 4; j++) T[j] = _mm256_shuffle_epi8(V[j], tr);
+    const __m256i t32 = _mm256_unpacklo_epi8(T[3], T[2]), t10 = _mm256_unpacklo_epi8(T[1], T[0]);
+    const __m256i u32 = _mm256_unpackhi_epi8(T[3], T[2]), u10 = _mm256_unpackhi_epi8(T[1], T[0]);
+    const __m256i C[4] = {_mm256_unpacklo_epi16(t32, t10), _mm256_unpackhi_epi16(t32, t10),
+                          _mm256_unpacklo_epi16(u32, u10), _mm256_unpackhi_epi16(u32, u10)};
+    for (int b = 0; b < 4; b++) /* plane byte 4k + b: tables of step 2k + b / 2, byte b % 2 */
+        lut_byte(lut_low_nibbles(C[b]), lut_high_nibbles(C[b]), tk + (b / 2) * LUT_PIECES * 64 + (b % 2) * 32, acc,
+                 &acc[LUT_PIECES - 1 + b % 2]);
+}
+
+/* out[i] = sum_c v_c z_c for the 16 rows of a onehot tile (steps of 32 coordinates; pw: its parity words) */
+AI void onehot_lut_tile_t(const uint8_t *tile, int64_t steps, const uint32_t *pw, int64_t pwords, const int8_t *tabs,
+                          const float *unit, const float *zsum, float *out, const int K) {
+    const int64_t ahead = steps * (K + 1) * 64; /* the next tile */
+    __m256 total[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    float corr = 0.0f;
+    const int64_t nblocks = (steps + 3) / 4, part = (nblocks + TILE_STREAMS - 1) / TILE_STREAMS;
+    for (int64_t bi = 0; bi < part * TILE_STREAMS; bi++) { /* blocks of 4 steps (128 coordinates), parts in turn */
+        const int64_t b = (bi % TILE_STREAMS) * part + bi / TILE_STREAMS, k1 = 4 * b + 4 < steps ? 4 * b + 4 : steps;
+        if (b >= nblocks) continue;
+        for (int h = 0; h < 2; h++) {
+            __m256i acc[LUT_PIECES + 1];
+            for (int p = 0; p <= LUT_PIECES; p++) acc[p] = _mm256_setzero_si256();
+            for (int64_t k = 4 * b; k < k1; k++)
+                onehot_lut_step(tile, k, h, ahead, pw, pwords, tabs + 2 * k * LUT_PIECES * 64, acc, K);
+            total[h] = _mm256_add_ps(total[h], lut_block_dot(acc, unit[b]));
+        }
+        corr -= 8.0f * zsum[b]; /* sum v z = sum u z - 8 sum z */
+    }
+    for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + 8 * h, _mm256_add_ps(total[h], _mm256_set1_ps(corr)));
+}
+
+static void onehot_lut_tile(const uint8_t *tile, int64_t steps, const uint32_t *pw, int64_t pwords, const int8_t *tabs,
+                            const float *unit, const float *zsum, float *out, int K) {
+    ONEHOT_DISPATCH(K, onehot_lut_tile_t, tile, steps, pw, pwords, tabs, unit, zsum, out);
 }
 #else
 #define HAVE_LEECH_LUT 0
 #endif
 
-/* which Leech tile copies this build's kernels read: bit 0 4-plane stages, bit 1 onehot stages */
-static int leech_tile_kinds(void) { return HAVE_LEECH_TILES ? 3 : (HAVE_LEECH_LUT ? 1 : 0); }
 
-/* the Leech tile copies the kernels read on this CPU (bit 0: 4-plane stages, bit 1: onehot stages), 0 without SIMD */
-API int accel_leech_tiles_available(void) { return g_simd ? leech_tile_kinds() : 0; }
+/* the Leech kernels read tile copies of 4-plane and onehot stages (AVX-512 VNNI + GFNI, or AVX2) */
+API int accel_leech_tiles_available(void) { return (HAVE_LEECH_TILES || HAVE_LEECH_LUT) && g_simd; }
 
 /* t[r] = scale[r] * sum_s alpha_s <x_s[r], z> for rows [0, rows), in tiles of 16 rows */
 static void leech_rows(const Leech *L, const float *z, const float *zb, float *t, int nthreads) {
@@ -1878,11 +1952,11 @@ static void leech_rows(const Leech *L, const float *z, const float *zb, float *t
 #if HAVE_LEECH_LUT
     int8_t *ltab = NULL; /* the AVX2 tiles' byte tables, then per block unit and zsum */
     float *lunit = NULL;
-    const int64_t lblocks = (tsteps + 7) / 8;
+    const int64_t lsteps = 2 * ((rowbytes + 3) / 4), lblocks = (lsteps + 7) / 8; /* >= tsteps; onehot steps */
     if (g_simd && (L->tiled[0] || (L->nstages > 1 && L->tiled[1]))) {
-        ltab = xalloc((size_t)tsteps * LUT_PIECES * 64);
+        ltab = xalloc((size_t)lsteps * LUT_PIECES * 64);
         lunit = xalloc((size_t)lblocks * 2 * sizeof(float));
-        if (leech_lut_input(z, L->cols, tsteps, ltab, lunit, lunit + lblocks)) {
+        if (leech_lut_input(z, L->cols, lsteps, ltab, lunit, lunit + lblocks)) {
             need_tab = 0;
             for (int s = 0; s < L->nstages; s++) need_tab |= !L->tiled[s];
         } else { /* a non-finite input: the float path */
@@ -1908,6 +1982,10 @@ static void leech_rows(const Leech *L, const float *z, const float *zb, float *t
         memset(tab, 0, (size_t)(L->cols + 32) * 4 * sizeof(float));
         build_tables(z, L->cols, tab);
     }
+    int tile_kernels = HAVE_AVX512; /* the tile copies are read (else the stored streams): AVX2 needs the tables */
+#if HAVE_LEECH_LUT
+    tile_kernels = ltab != NULL;
+#endif
     int nt = threads_for(nthreads, (double)L->rows * L->cols);
 #pragma omp parallel num_threads(nt)
     {
@@ -1926,7 +2004,7 @@ static void leech_rows(const Leech *L, const float *z, const float *zb, float *t
                 const int64_t tbytes = onehot ? ((rowbytes + 3) / 4) * (L->param[s] + 1) * 64 : tsteps * 128;
                 const uint32_t *pw = L->tiled[s] ? (const uint32_t *)(L->tiled[s] + tiles * tbytes) + tile * pwords * 16
                                                  : NULL; /* the tile's parity words, after the tiles */
-                if (onehot && !(g_simd && L->tiled[s]))
+                if (onehot && !(g_simd && L->tiled[s] && tile_kernels))
                     for (int i = 0; i < nr; i++)
                         spread_parity(par, parbytes, (r0 + i) * L->nblk, L->nblk, pm + i * rowbytes);
 #if HAVE_AVX512
@@ -1953,6 +2031,9 @@ static void leech_rows(const Leech *L, const float *z, const float *zb, float *t
 #if HAVE_LEECH_LUT
                     if (ltab && L->tiled[s] && !onehot)
                         leech_lut_tile(L->tiled[s], tsteps, tile, ltab, lunit, lunit + lblocks, vals);
+                    else if (ltab && L->tiled[s])
+                        onehot_lut_tile(L->tiled[s] + tile * tbytes, (rowbytes + 3) / 4, pw, pwords, ltab, lunit,
+                                        lunit + lblocks, vals, L->param[s]);
                     else
 #endif
                     for (int h = 0; h < nr; h += 8) { /* the tile in two halves of 8 rows */
@@ -2005,11 +2086,8 @@ API int accel_leech_matvec(int nstages, const uint8_t *const *streams, const int
     Leech L;
     int err = leech_init(&L, nstages, streams, stream_bytes, layout, param, alpha, scale, rows, cols);
     if (err) return err;
-    for (int s = 0; s < nstages && tiled; s++) /* tile copies of 4-plane and onehot stages, where read here */
-        L.tiled[s] = (layout[s] == LEECH_PLANES && param[s] == 4 && (leech_tile_kinds() & 1)) ||
-                             (layout[s] == LEECH_ONEHOT && (leech_tile_kinds() & 2))
-                         ? tiled[s]
-                         : NULL;
+    for (int s = 0; s < nstages && tiled; s++) /* tile copies of 4-plane and onehot stages */
+        L.tiled[s] = (layout[s] == LEECH_PLANES && param[s] == 4) || layout[s] == LEECH_ONEHOT ? tiled[s] : NULL;
     if (in_features > cols || in_features < 1 || odd_in < 1 || cols % odd_in || odd_out < 1 || rows % odd_out)
         return -1;
     int64_t big = cols > rows ? cols : rows;
