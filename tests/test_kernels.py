@@ -376,6 +376,66 @@ def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary files left behind
 
 
+def _refusing_cc(path, refused: list[str]) -> str:
+    """A gcc that fails on the given options, as Apple's clang does on -fopenmp (and older ones on -march=native)."""
+    tests = "".join(f'  if [ "$a" = {flag} ]; then echo "clang: error: unsupported option \'{flag}\'" >&2; exit 1; fi\n'
+                    for flag in refused)
+    path.write_text(f'#!/bin/sh\nfor a in "$@"; do\n{tests}done\nexec gcc "$@"\n')
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.mark.parametrize("compiler", ["no-openmp", "no-openmp-no-native", "clang"])
+def test_other_compilers_build_working_kernels(compiler, tmp_path, monkeypatch, rng):
+    """A compiler that refuses -fopenmp (as Apple's clang does) gets a one-thread build, one that also refuses
+    -march=native a build for the baseline target, and clang (where installed) builds both sources; the kernels
+    each builds agree with float64 on an affine and a Leech weight."""
+    import shutil
+
+    from accel.kernels import state_update, weights
+
+    monkeypatch.delenv("ACCEL_KERNEL_ARCH", raising=False)  # the -march fallback is for the default target only
+    if compiler == "clang":
+        cc = shutil.which("clang") or shutil.which("clang-14")
+        if not cc:
+            pytest.skip("no clang on PATH")
+    else:
+        refused = ["-fopenmp"] + (["-march=native"] if compiler.endswith("no-native") else [])
+        cc = _refusing_cc(tmp_path / "cc", refused)
+    monkeypatch.setenv("CC", cc)
+    monkeypatch.setenv("ACCEL_KERNEL_CACHE", str(tmp_path / "cache"))
+    lib = _build.load(_build.library_path())
+    if compiler != "clang":
+        assert lib.accel_openmp_available() == 0
+    if compiler.endswith("no-native"):
+        assert lib.accel_simd_available() == 0  # x86-64 baseline: the scalar paths
+    assert _build.library_path(state_update.SOURCE, "state_update").is_file()
+    monkeypatch.setattr(weights, "library", lambda: lib)
+    w = rng.standard_normal((37, 120))
+    for codec, kw in (("affine", {"levels": 16, "group": 32}), ("leech", {"shells": (13,), "layout": "planes"})):
+        entry, arrays = encode_tensor("w", w, codec, **kw)
+        assert _check_matvec(entry, _parts(entry, arrays), rng)._lib is lib
+
+
+def test_sources_compile_for_aarch64(tmp_path):
+    """Both C sources compile for 64-bit Arm (Apple silicon, Graviton: the scalar paths), with and without OpenMP,
+    where a cross compiler is installed (Debian's gcc-aarch64-linux-gnu)."""
+    import shutil
+    import subprocess
+
+    from accel.kernels import state_update
+
+    cc = shutil.which("aarch64-linux-gnu-gcc")
+    if not cc:
+        pytest.skip("no aarch64 cross compiler")
+    for source in (_build.SOURCE, state_update.SOURCE):
+        for omp in (["-fopenmp"], []):
+            flags = [f for f in _build.FLAGS if f != "-fopenmp"] + omp + ["-march=armv8-a", "-Werror"]
+            run = subprocess.run([cc, *flags, "-o", str(tmp_path / "k.so"), str(source), "-lm"], check=False,
+                                 capture_output=True, text=True)
+            assert run.returncode == 0, run.stderr
+
+
 def test_missing_compiler_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setattr(_build.shutil, "which", lambda name: None)

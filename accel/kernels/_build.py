@@ -3,9 +3,11 @@
 The shared library is cached under $ACCEL_KERNEL_CACHE (default ~/.cache/accel/kernels) in a file named by the
 SHA-256 of the source, the compiler command and the CPU (flags, model), since -march=native code is only valid on
 the CPU it was built for. $ACCEL_KERNEL_ARCH (default "native") replaces the -march target: `x86-64-v3` builds the
-AVX2 paths on an AVX-512 machine (how `make test` checks them), `x86-64` the portable scalar code. A build writes
-to a temporary name in the cache directory and renames it into place, so concurrent first uses (test workers,
-spawn pools) never load a half-written file.
+AVX2 paths on an AVX-512 machine (how `make test` checks them), `x86-64` the portable scalar code. A compiler that
+refuses -fopenmp (Apple's clang has no OpenMP) gets a build without it, whose kernels run on one thread
+(accel_openmp_available() says which), and one that refuses the default -march=native a build without -march. A
+build writes to a temporary name in the cache directory and renames it into place, so concurrent first uses (test
+workers, spawn pools) never load a half-written file.
 """
 
 from __future__ import annotations
@@ -90,16 +92,31 @@ def library_path(source: Path = SOURCE, stem: str = "accel_kernels") -> Path:
     return target
 
 
+def flag_fallbacks() -> list[tuple[str, ...]]:
+    """The flag sets a build tries in turn: flags(), then without -fopenmp, and where -march is the default
+    (native, not $ACCEL_KERNEL_ARCH), without -march too."""
+    first = flags()
+    no_omp = tuple(f for f in first if f != "-fopenmp")
+    sets = [first, no_omp]
+    if not os.environ.get("ACCEL_KERNEL_ARCH", "").strip():
+        sets += [tuple(f for f in s if not f.startswith("-march=")) for s in sets]
+    return sets
+
+
 def _build(cc: str, source: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        run = subprocess.run([cc, *flags(), "-o", tmp, str(source), "-lm"], check=False, capture_output=True,
-                             text=True)
-        if run.returncode != 0:
-            raise KernelUnavailable(f"building {source.name} failed ({cc}):\n{run.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)  # atomic: a concurrent build of the same key writes identical bytes
+        first_error = None
+        for flag_set in flag_fallbacks():
+            run = subprocess.run([cc, *flag_set, "-o", tmp, str(source), "-lm"], check=False, capture_output=True,
+                                 text=True)
+            if run.returncode == 0:
+                os.replace(tmp, target)  # atomic: a concurrent build of the same key writes identical bytes
+                return
+            first_error = first_error or run.stderr.strip()[-2000:]
+        raise KernelUnavailable(f"building {source.name} failed ({cc}):\n{first_error}")
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -109,6 +126,7 @@ _i64, _i32, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c
 
 _SIGNATURES = {
     "accel_simd_available": ([], _i32),
+    "accel_openmp_available": ([], _i32),
     "accel_set_simd": ([_i32], _i32),
     "accel_half_to_float": ([ctypes.c_uint16], _f32),
     "accel_rht": ([_ptr, _i64, _i64, _ptr, _ptr, _i64, _i32, _i32], _i32),
@@ -135,14 +153,8 @@ _SIGNATURES = {
 }
 
 
-@cache
-def library() -> ctypes.CDLL:
-    """The loaded kernel library, with argument types set; raises KernelUnavailable."""
-    try:
-        import torch  # noqa: F401  (load torch's OpenMP runtime first, so both share one thread pool)
-    except ImportError:
-        pass
-    path = library_path()
+def load(path: Path) -> ctypes.CDLL:
+    """A built kernel library at path, with argument types set; raises KernelUnavailable."""
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as exc:
@@ -152,6 +164,16 @@ def library() -> ctypes.CDLL:
         fn.argtypes = args
         fn.restype = res
     return lib
+
+
+@cache
+def library() -> ctypes.CDLL:
+    """The loaded kernel library, with argument types set; raises KernelUnavailable."""
+    try:
+        import torch  # noqa: F401  (load torch's OpenMP runtime first, so both share one thread pool)
+    except ImportError:
+        pass
+    return load(library_path())
 
 
 def compiler_available() -> bool:

@@ -28,10 +28,27 @@
 // accel_state_step_water (the last section) takes the same step on the storage of an `alloc=water` map, where each
 // channel has its own INT-K width (K = 2..16) and its codes sit in K-bit fields of a bit stream.
 #include <math.h>
+#ifdef _OPENMP
 #include <omp.h>
+#else /* a compiler without OpenMP (Apple's clang; accel/kernels/_build.py then builds without -fopenmp): one thread */
+static inline int omp_get_max_threads(void) { return 1; }
+static inline int omp_get_num_threads(void) { return 1; }
+static inline int omp_get_thread_num(void) { return 0; }
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+// round half to even: nearbyintf in the default rounding mode (what __builtin_roundevenf gives where the compiler
+// has it; clang 14 does not)
+static inline float round_even(float x) {
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_roundevenf)
+    return __builtin_roundevenf(x);
+#endif
+#endif
+    return nearbyintf(x);
+}
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -229,7 +246,7 @@ static inline void store_lo_row(int8_t *dst, const float *row, float inv, int dv
     const vf vi = VSET(inv), lo = VSET(-127.0f);
     for (; j + W <= dv; j += W) store_i8(dst + j, VMAX(lo, VMUL(VLOAD(row + j), vi)));
 #endif
-    for (; j < dv; j++) dst[j] = (int8_t)clamp127(__builtin_roundevenf(row[j] * inv));
+    for (; j < dv; j++) dst[j] = (int8_t)clamp127(round_even(row[j] * inv));
 }
 
 static inline void delta_rule(float *restrict mem, const float *restrict v, float beta, float *restrict out,
@@ -602,7 +619,7 @@ static void pack_row(uint8_t *o, width_rule w, int dv, const float *x, float inv
     uint64_t acc = 0;
     int nb = 0;
     for (int i = 0; i < dv; i++) {
-        float c = __builtin_roundevenf(x[i] * inv);
+        float c = round_even(x[i] * inv);
         c = c > (float)w.qmax ? (float)w.qmax : (c < (float)-w.qmax ? (float)-w.qmax : c);
         acc |= (uint64_t)((uint32_t)(int32_t)c & ((1u << w.k) - 1)) << nb;
         nb += w.k;

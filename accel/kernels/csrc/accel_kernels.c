@@ -16,7 +16,13 @@
  */
 #include <float.h>
 #include <math.h>
+#ifdef _OPENMP
 #include <omp.h>
+#else /* a compiler without OpenMP (Apple's clang; accel/kernels/_build.py then builds without -fopenmp): one thread */
+static inline int omp_get_max_threads(void) { return 1; }
+static inline int omp_get_num_threads(void) { return 1; }
+static inline int omp_get_thread_num(void) { return 0; }
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -53,6 +59,15 @@ static int g_simd = SIMD_BITS > 0;
 
 /* the vector width of the SIMD paths compiled in: 512 (AVX-512), 256 (AVX2), 0 (scalar only) */
 API int accel_simd_available(void) { return SIMD_BITS; }
+
+/* 1 when built with OpenMP (the kernels split rows between threads), 0 when the compiler had none (one thread) */
+API int accel_openmp_available(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 API float accel_half_to_float(uint16_t h);
 
