@@ -1003,6 +1003,35 @@ static void parity_tiled(const uint32_t *pt, int64_t words, const float *ptab, f
 }
 #endif
 
+/* The spread parity of a onehot tile copy's step k (coordinates 32 k .. 32 k + 31) for the rows at row0 of its
+ * parity words pw ([word][16 rows], bit b = block b): those coordinates lie in blocks b0 = 4 k / 3 and b0 + 1, the
+ * first 24, 16 or 8 of them (k mod 3 = 0, 1, 2) in b0, so two bits of each row's word select two constant masks;
+ * past the row the words are zero. One definition for 16 and 8 rows (GCC vector extensions on 32-bit lanes). */
+#define SPREAD_PARITY(name, U)                                                                                        \
+    AI U name(const uint32_t *pw, int64_t pwords, int64_t k, int row0) {                                              \
+        const int64_t b0 = 4 * k / 3, w = b0 / 32;                                                                    \
+        const int sh = (int)(b0 % 32);                                                                                \
+        U pb = {0}, next = {0};                                                                                       \
+        if (w < pwords) {                                                                                             \
+            memcpy(&pb, pw + 16 * w + row0, sizeof pb);                                                               \
+            pb >>= sh;                                                                                                \
+        }                                                                                                             \
+        if (sh == 31 && w + 1 < pwords) {                                                                             \
+            memcpy(&next, pw + 16 * (w + 1) + row0, sizeof next);                                                     \
+            pb |= next << 1;                                                                                          \
+        }                                                                                                             \
+        const uint32_t m0 = 0xffffffffu >> (8 + 8 * (k % 3));                                                         \
+        return (-(pb & 1) & m0) | (-((pb >> 1) & 1) & ~m0); /* all ones where b0 (b0 + 1) is odd */                 \
+    }
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+#if HAVE_AVX512
+SPREAD_PARITY(spread_parity16, u32x16)
+#endif
+#if HAVE_AVX2
+SPREAD_PARITY(spread_parity8, u32x8)
+#endif
+
 /* A onehot stage is turned into planes on the fly, bit-sliced (each operation handles 32 coordinates of 16 rows):
  * with m = sum_k k [mask k], p the parity and s the sign, x = (1 - 2 s)(2 m + p) = 2 v + p for
  * v = s ? -(m + p) : m, computed as u = m + (p & s), v = (u ^ s) + s in two's complement on nb + 1 bits
@@ -1197,9 +1226,7 @@ AI void onehot_tile_t(const uint8_t *base, int64_t plane_stride, int64_t rowbyte
 }
 
 /* Step k of a onehot tile copy: its lines read (and the next tile's prefetched, `ahead` bytes on), its spread
- * parity taken from the parity words pw ([word][row], bit b = block b), and the planes of v bit-sliced into V (planes
- * 0 .. nb). Coordinates 32 k .. 32 k + 31 lie in blocks b0 = 4 k / 3 and b0 + 1, the first 24, 16 or 8 of them
- * (k mod 3 = 0, 1, 2) in b0; past the row the words are zero (and so are the masks). */
+ * parity taken from the parity words pw (spread_parity16), and the planes of v bit-sliced into V (planes 0 .. nb). */
 AI void onehot_tiled_step(const uint8_t *tile, int64_t k, int64_t ahead, const uint32_t *pw, int64_t pwords,
                           __m512i *V, const int K) {
     const int nb = onehot_value_bits(K);
@@ -1208,18 +1235,8 @@ AI void onehot_tiled_step(const uint8_t *tile, int64_t k, int64_t ahead, const u
     __m512i M[6];
     for (int m = 0; m < K; m++) M[m] = _mm512_loadu_si512(q + m * 64);
     const __m512i S = _mm512_loadu_si512(q + K * 64);
-    const int64_t b0 = 4 * k / 3, w = b0 / 32;
-    const int sh = (int)(b0 % 32);
-    __m512i pb = w < pwords ? _mm512_srli_epi32(_mm512_loadu_si512(pw + 16 * w), (unsigned)sh) : _mm512_setzero_si512();
-    if (sh == 31 && w + 1 < pwords)
-        pb = _mm512_or_si512(pb, _mm512_slli_epi32(_mm512_loadu_si512(pw + 16 * (w + 1)), 1));
-    const uint32_t m0 = 0xffffffffu >> (8 + 8 * (k % 3));
-    const __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi32(1);
-    const __m512i p0 = _mm512_sub_epi32(zero, _mm512_and_si512(pb, one)); /* all ones where b0 is odd */
-    const __m512i p1 = _mm512_sub_epi32(zero, _mm512_and_si512(_mm512_srli_epi32(pb, 1), one));
-    const __m512i P = _mm512_or_si512(_mm512_and_si512(p0, _mm512_set1_epi32((int)m0)),
-                                      _mm512_and_si512(p1, _mm512_set1_epi32((int)~m0)));
-    ONEHOT_SLICE(__m512i, zero, M, P, S, V, K, nb);
+    const __m512i P = (__m512i)spread_parity16(pw, pwords, k, 0);
+    ONEHOT_SLICE(__m512i, _mm512_setzero_si512(), M, P, S, V, K, nb);
 }
 
 /* onehot_tile_t on a 16-row tile copy of the stage (tile[k][plane][16 rows][4 bytes], K masks then the sign, zero
@@ -1777,7 +1794,9 @@ static int leech_lut_input(const float *z, int64_t cols, int64_t steps, int8_t *
         for (int64_t cb = 0; cb < 16 && 16 * b + cb < 2 * steps; cb++) { /* plane byte 16 b + cb: 8 coordinates */
             const int64_t B = 16 * b + cb, s = B / 2, a = B % 2;
             for (int p = 0; p < LUT_PIECES; p++) {
-                const __m256i R = _mm256_set1_epi64x(*(const int64_t *)(d[p] + 8 * cb));
+                int64_t eight; /* the plane byte's 8 digits */
+                memcpy(&eight, d[p] + 8 * cb, sizeof eight);
+                const __m256i R = _mm256_set1_epi64x(eight);
                 __m256i T = _mm256_and_si256(_mm256_shuffle_epi8(R, pick[0]), bit[0]);
                 for (int t = 1; t < 4; t++) T = _mm256_add_epi8(T, _mm256_and_si256(_mm256_shuffle_epi8(R, pick[t]), bit[t]));
                 _mm256_storeu_si256((__m256i *)(tabs + ((s * LUT_PIECES + p) * 4 + 2 * a) * 16), T);
@@ -1858,7 +1877,7 @@ static void leech_lut_tile(const uint8_t *tiles, int64_t steps, int64_t t, const
 }
 
 /* Onehot stages on AVX2: the tile copy's step k (32 coordinates of 16 rows: per plane 16 rows x 4 bytes) half by
- * half, bit-sliced into the planes of v as in onehot_tiled_step (sign-extended to 4 planes), then a 4 x 4 byte
+ * half, bit-sliced into the planes of v as in onehot_tiled_step (sign-extended to 4 planes; spread_parity8), then a 4 x 4 byte
  * transpose per row (one vpshufb a plane, two rounds of unpacks) gives four registers of one plane byte each, rows
  * 0-3 | 4-7 with their planes 3..0 in a dword, looked up as the 4-plane tiles are. */
 AI void onehot_lut_step(const uint8_t *tile, int64_t k, int h, int64_t ahead, const uint32_t *pw, int64_t pwords,
@@ -1870,19 +1889,8 @@ AI void onehot_lut_step(const uint8_t *tile, int64_t k, int h, int64_t ahead, co
     __m256i M[6], V[4];
     for (int m = 0; m < K; m++) M[m] = _mm256_loadu_si256((const __m256i *)(q + m * 64));
     const __m256i S = _mm256_loadu_si256((const __m256i *)(q + K * 64));
-    const int64_t b0 = 4 * k / 3, w = b0 / 32; /* the spread parity, as onehot_tiled_step */
-    const int sh = (int)(b0 % 32);
-    __m256i pb = w < pwords ? _mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(pw + 16 * w + 8 * h)), sh)
-                            : _mm256_setzero_si256();
-    if (sh == 31 && w + 1 < pwords)
-        pb = _mm256_or_si256(pb, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(pw + 16 * (w + 1) + 8 * h)), 1));
-    const uint32_t m0 = 0xffffffffu >> (8 + 8 * (k % 3));
-    const __m256i zero = _mm256_setzero_si256(), one = _mm256_set1_epi32(1);
-    const __m256i p0 = _mm256_sub_epi32(zero, _mm256_and_si256(pb, one)); /* all ones where b0 is odd */
-    const __m256i p1 = _mm256_sub_epi32(zero, _mm256_and_si256(_mm256_srli_epi32(pb, 1), one));
-    const __m256i P = _mm256_or_si256(_mm256_and_si256(p0, _mm256_set1_epi32((int)m0)),
-                                      _mm256_and_si256(p1, _mm256_set1_epi32((int)~m0)));
-    ONEHOT_SLICE(__m256i, zero, M, P, S, V, K, nb);
+    const __m256i P = (__m256i)spread_parity8(pw, pwords, k, 8 * h);
+    ONEHOT_SLICE(__m256i, _mm256_setzero_si256(), M, P, S, V, K, nb);
     for (int j = nb + 1; j < 4; j++) V[j] = V[nb]; /* sign-extend v to 4 bits */
     V[3] = _mm256_xor_si256(V[3], _mm256_set1_epi8(-1)); /* u = v + 8 */
     const __m256i tr = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
