@@ -1,8 +1,8 @@
 """Build the C kernels with gcc on first use and load them through ctypes.
 
 The shared library is cached under $ACCEL_KERNEL_CACHE (default ~/.cache/accel/kernels) in a file named by the
-SHA-256 of the source, the compiler command and the CPU (flags, model), since -march=native code is only valid on
-the CPU it was built for. $ACCEL_KERNEL_ARCH (default "native") replaces the -march target: `x86-64-v3` builds the
+SHA-256 of the source (and the headers in csrc/), the compiler command and the CPU (flags, model), since
+-march=native code is only valid on the CPU it was built for. $ACCEL_KERNEL_ARCH (default "native") replaces the -march target: `x86-64-v3` builds the
 AVX2 paths on an AVX-512 machine (how `make test` checks them), `x86-64` the portable scalar code. A compiler that
 refuses -fopenmp (Apple's clang has no OpenMP) gets a build without it, whose kernels run on one thread
 (accel_openmp_available() says which), and one that refuses the default -march=native a build without -march. A
@@ -83,7 +83,8 @@ def library_path(source: Path = SOURCE, stem: str = "accel_kernels") -> Path:
     except (OSError, subprocess.CalledProcessError) as exc:
         raise KernelUnavailable(f"the C compiler {cc!r} does not run: {exc}") from None
     key = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(flags()).encode(), version.encode(), _cpu_identity().encode(),
+    headers = b"".join(h.read_bytes() for h in sorted(SOURCE.parent.glob("*.h")))  # the sources include them
+    for part in (source.read_bytes(), headers, " ".join(flags()).encode(), version.encode(), _cpu_identity().encode(),
                  platform.machine().encode()):
         key.update(hashlib.sha256(part).digest())
     target = cache_dir() / f"{stem}-{key.hexdigest()[:24]}.so"

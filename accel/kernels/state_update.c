@@ -28,13 +28,7 @@
 // accel_state_step_water (the last section) takes the same step on the storage of an `alloc=water` map, where each
 // channel has its own INT-K width (K = 2..16) and its codes sit in K-bit fields of a bit stream.
 #include <math.h>
-#ifdef _OPENMP
-#include <omp.h>
-#else /* a compiler without OpenMP (Apple's clang; accel/kernels/_build.py then builds without -fopenmp): one thread */
-static inline int omp_get_max_threads(void) { return 1; }
-static inline int omp_get_num_threads(void) { return 1; }
-static inline int omp_get_thread_num(void) { return 0; }
-#endif
+#include "csrc/omp_compat.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

@@ -16,13 +16,7 @@
  */
 #include <float.h>
 #include <math.h>
-#ifdef _OPENMP
-#include <omp.h>
-#else /* a compiler without OpenMP (Apple's clang; accel/kernels/_build.py then builds without -fopenmp): one thread */
-static inline int omp_get_max_threads(void) { return 1; }
-static inline int omp_get_num_threads(void) { return 1; }
-static inline int omp_get_thread_num(void) { return 0; }
-#endif
+#include "omp_compat.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
