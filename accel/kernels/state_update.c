@@ -103,6 +103,9 @@ static inline void store_i8(int8_t *p, vf x) {  // round half to even, saturate 
 #define W 0
 #endif
 
+// float16 <-> float32, round to nearest even: _Float16 where the compiler has it on this target (gcc 12 on any
+// x86-64, clang on arm64 and from 15 on x86), else F16C, else in integer arithmetic (clang 14 on baseline x86-64)
+#if defined(__FLT16_MAX__)
 typedef _Float16 f16;
 
 static inline float half_bits_to_float(uint16_t bits) {
@@ -117,6 +120,42 @@ static inline uint16_t float_to_half_bits(float x) {
     memcpy(&bits, &h, 2);
     return bits;
 }
+#elif defined(__F16C__)
+static inline float half_bits_to_float(uint16_t bits) { return _cvtsh_ss(bits); }
+static inline uint16_t float_to_half_bits(float x) { return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
+#else
+static inline float half_bits_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    uint32_t u;
+    if (e == 31) u = sign | 0x7f800000u | (m << 13); // inf, NaN (payload kept)
+    else if (e) u = sign | ((e + 112) << 23) | (m << 13);
+    else if (!m) u = sign;
+    else { // subnormal: m * 2^-24, exact in float32
+        float f = (float)m * 5.9604644775390625e-8f;
+        memcpy(&u, &f, 4);
+        u |= sign;
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t float_to_half_bits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    const uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return sign | 0x7e00u | (uint16_t)((a >> 13) & 0x3ffu); // NaN, quiet
+    if (a >= 0x477ff000u) return sign | 0x7c00u; // rounds past 65504: inf
+    if (a < 0x38800000u) { // below 2^-14: a subnormal half, m = round_even(|x| * 2^24)
+        float f;
+        memcpy(&f, &a, 4);
+        return sign | (uint16_t)nearbyintf(f * 16777216.0f);
+    }
+    const uint32_t r = a + 0xfffu + ((a >> 13) & 1u); // round the 13 dropped bits to nearest even
+    return sign | (uint16_t)((r - 0x38000000u) >> 13);
+}
+#endif
 
 // alpha[r] = exp(g) of row r of head bh: one exp per head (GDN) or per channel (KDA)
 static inline void decays(float *alpha, const float *g, int kda, long bh, int dk) {

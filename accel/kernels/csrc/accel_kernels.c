@@ -1760,8 +1760,8 @@ static int leech_lut_input(const float *z, int64_t cols, int64_t steps, int8_t *
         _mm256_storeu_ps(mx, vmax);
         for (int i = 1; i < 8; i++) mx[0] = mx[i] > mx[0] ? mx[i] : mx[0];
         if (_mm256_movemask_ps(bad) || !(mx[0] <= FLT_MAX) || !block_exponent(mx[0], &fac, &unit[b])) return 0;
-        fac *= 15.0f / 64.0f; /* exact (fac is a power of two); |X| < 983040 <= 15 (1 + 32 + 1024) + 31 * 32768 */
-        if (fac < FLT_MIN) return 0;
+        fac *= 15.0f / 64.0f; /* exact: fac is a power of two of at least 2^-107; |X| < 983040 <= 15 (1 + 32 + 1024)
+                               * + 31 * 32768 */
         unit[b] = 1.0f / fac;
         int8_t d[LUT_PIECES][128]; /* the block's digits, zero past the columns */
         __m256i vsum = _mm256_setzero_si256();
