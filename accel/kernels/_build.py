@@ -139,6 +139,7 @@ _SIGNATURES = {
     "accel_leech_matvec": ([_i32, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64,
                             _ptr, _ptr, _i64, _ptr, _ptr, _i32], _i32),
     "accel_leech_tiles_available": ([], _i32),
+    "accel_leech_planes_lane_order": ([], _i32),
     "accel_leech_decode_rows": ([_i32, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i32],
                                 _i32),
     "accel_tiled_available": ([], _i32),

@@ -259,7 +259,8 @@ class LeechWeight(KernelWeight):
         # of gathers, followed by a tile copy of their parity bits (accel_kernels.c); the stored streams stay for
         # decode_rows and the float path
         tiles_ok = bool(self._lib.accel_leech_tiles_available())
-        tiled = [_leech_tile_copy(s, kind, n, self.shape[0], self.cols) if tiles_ok else None
+        lane_order = bool(self._lib.accel_leech_planes_lane_order())
+        tiled = [_leech_tile_copy(s, kind, n, self.shape[0], self.cols, lane_order) if tiles_ok else None
                  for s, kind, n in zip(streams, kinds, params, strict=True)]
         self.tiled = [t for t in tiled if t is not None]
         self._tiled_ptrs = (ctypes.c_void_p * len(tiled))(*[None if t is None else t.ctypes.data for t in tiled])
@@ -308,13 +309,24 @@ class LeechWeight(KernelWeight):
                                    _THREADS[0]), "accel_rht")
 
 
-def _planes_tiles(stream: np.ndarray, rows: int, cols: int) -> np.ndarray:
-    """A 4-plane stage's planes as 16-row tiles: [tile][step][half][row][qword], byte 7 - (4 a + j) of a row's qword
-    = plane j's byte 2 step + a of that row (see "Leech planes, 16-row tiles" in accel_kernels.c)."""
+_LANE_ROWS = [0, 4, 1, 5, 2, 6, 3, 7]  # the AVX2 order of a half tile's rows: rows 0, 4, 1, 5 | 2, 6, 3, 7
+
+
+def _planes_tiles(stream: np.ndarray, rows: int, cols: int, lane_order: bool = False) -> np.ndarray:
+    """A 4-plane stage's planes as 16-row tiles (see "Leech planes, 16-row tiles" in accel_kernels.c).
+
+    The AVX-512 kernel's order: [tile][step][half][row][qword], byte 7 - (4 a + j) of a row's qword = plane j's byte
+    2 step + a of that row. The AVX2 kernel's (lane_order): [tile][step][half][a][row in _LANE_ROWS][dword], byte
+    3 - j of a dword = plane j's byte 2 step + a, with the top plane complemented (leech_lut_step)."""
     rowbytes = cols // 8
     steps, ntiles = -(-rowbytes // 2), -(-rows // 16)
     planes = np.zeros((4, ntiles * 16, 2 * steps), dtype=np.uint8)
     planes[:, :rows, :rowbytes] = stream[: 4 * rows * rowbytes].reshape(4, rows, rowbytes)
+    if lane_order:
+        q = planes.reshape(4, ntiles, 2, 8, steps, 2).transpose(1, 4, 2, 5, 3, 0)  # tile, step, half, a, row, plane
+        q = q[:, :, :, :, _LANE_ROWS, ::-1].copy()
+        q[..., 0] ^= 0xFF  # plane 3
+        return q.reshape(-1)
     q = planes.reshape(4, ntiles, 2, 8, steps, 2).transpose(1, 4, 2, 3, 5, 0)  # tile, step, half, row, a, plane
     return np.ascontiguousarray(q.reshape(ntiles, steps, 2, 8, 8)[..., ::-1]).reshape(-1)
 
@@ -328,12 +340,15 @@ def _onehot_tiles(stream: np.ndarray, rows: int, cols: int, planes: int) -> np.n
     return np.ascontiguousarray(p.reshape(planes, ntiles, 16, steps, 4).transpose(1, 3, 0, 2, 4)).reshape(-1)
 
 
-def _leech_tile_copy(stream: np.ndarray, kind: int, n: int, rows: int, cols: int) -> np.ndarray | None:
+def _leech_tile_copy(stream: np.ndarray, kind: int, n: int, rows: int, cols: int,
+                     lane_order: bool = False) -> np.ndarray | None:
     """The tile copy a Leech stage's kernel reads (4-plane stages: kind 0, n = 4 planes; onehot: kind 1, n = K
-    masks), its planes' tiles then its parity words; None for stages the gathered kernel reads as stored."""
+    masks), its planes' tiles then its parity words; None for stages the gathered kernel reads as stored.
+    lane_order: the AVX2 build's order of the 4-plane tiles (accel_leech_planes_lane_order)."""
     if kind == 0 and n != 4:
         return None
-    planes = _planes_tiles(stream, rows, cols) if kind == 0 else _onehot_tiles(stream, rows, cols, n + 1)
+    planes = (_planes_tiles(stream, rows, cols, lane_order) if kind == 0
+              else _onehot_tiles(stream, rows, cols, n + 1))
     parity = stream[(n + kind) * 3 * rows * (cols // 24):]  # after the n planes (and the onehot sign plane)
     return np.concatenate([planes, _parity_tiles(parity, rows, cols // 24)])
 
