@@ -231,6 +231,27 @@ def _extreme_leech_codes(layout: str, v: int | None, n: int, rng) -> np.ndarray:
     return np.concatenate(masks + [full if v < 0 else empty, np.full(-(-n // 8), 255 if v < 0 else 0, np.uint8)])
 
 
+@pytest.mark.parametrize("rows,cols", [(16, 48), (21, 72), (40, 264)])
+def test_planes_tile_orders_hold_the_same_bits(rng, rows, cols):
+    """The AVX2 build's 4-plane tile copy (lane order) is the AVX-512 copy's bytes moved, with plane 3 complemented:
+    checked on any CPU, whichever order this machine's kernels read."""
+    from accel.kernels.weights import _LANE_ROWS, _planes_tiles
+
+    stream = rng.integers(0, 256, size=4 * rows * cols // 8, dtype=np.uint8)
+    qwords = _planes_tiles(stream, rows, cols)
+    lanes = _planes_tiles(stream, rows, cols, lane_order=True)
+    assert lanes.size == qwords.size
+    # the AVX-512 order: byte 7 - (4a + j) of a row's qword is plane j's byte 2s + a; reversed, index 4a + j
+    q = qwords.reshape(-1, 2, 8, 8)[..., ::-1].reshape(-1, 2, 8, 2, 4)  # (tile, step), half, row, a, plane j
+    lane = lanes.reshape(-1, 2, 2, 8, 4).copy()  # (tile, step), half, a, row (in _LANE_ROWS order), plane 3 - i
+    lane[..., 0] ^= 0xFF
+    expect = q[:, :, _LANE_ROWS].transpose(0, 1, 3, 2, 4)[..., ::-1]
+    assert np.array_equal(lane, expect)
+    assert not np.array_equal(lanes, qwords)
+    lib = _build.library()  # the AVX2 build reads the lane order, the AVX-512 one (and the scalar paths) the qwords
+    assert lib.accel_leech_planes_lane_order() == int(lib.accel_simd_available() == 256)
+
+
 @pytest.mark.parametrize("layout,v", [("planes", 7), ("planes", -8), ("planes", None), ("onehot", 6),
                                       ("onehot", -7), ("onehot", None)])
 @pytest.mark.parametrize("sign", [1.0, -1.0, None])
