@@ -4,11 +4,10 @@ The shared library is cached under $ACCEL_KERNEL_CACHE (default ~/.cache/accel/k
 SHA-256 of the source (and the headers in csrc/), the compiler command and the CPU (flags, model), since
 -march=native code is only valid on the CPU it was built for. $ACCEL_KERNEL_ARCH (default "native") replaces the
 -march target: `x86-64-v3` builds the AVX2 paths on an AVX-512 machine (how `make test` checks them), `x86-64` the
-portable scalar code. A compiler that
-refuses -fopenmp (Apple's clang has no OpenMP) gets a build without it, whose kernels run on one thread
-(accel_openmp_available() says which), and one that refuses the default -march=native a build without -march. A
-build writes to a temporary name in the cache directory and renames it into place, so concurrent first uses (test
-workers, spawn pools) never load a half-written file.
+portable scalar code. A compiler that refuses -fopenmp (Apple's clang has no OpenMP) gets a build without it, whose
+kernels run on one thread (accel_openmp_available() says which), and one that refuses the default -march=native a
+build without -march. A build writes to a temporary name in the cache directory and renames it into place, so
+concurrent first uses (test workers, spawn pools) never load a half-written file.
 """
 
 from __future__ import annotations

@@ -322,13 +322,12 @@ def _planes_tiles(stream: np.ndarray, rows: int, cols: int, lane_order: bool = F
     steps, ntiles = -(-rowbytes // 2), -(-rows // 16)
     planes = np.zeros((4, ntiles * 16, 2 * steps), dtype=np.uint8)
     planes[:, :rows, :rowbytes] = stream[: 4 * rows * rowbytes].reshape(4, rows, rowbytes)
-    if lane_order:
-        q = planes.reshape(4, ntiles, 2, 8, steps, 2).transpose(1, 4, 2, 5, 3, 0)  # tile, step, half, a, row, plane
-        q = q[:, :, :, :, _LANE_ROWS, ::-1].copy()
-        q[..., 0] ^= 0xFF  # plane 3
-        return q.reshape(-1)
-    q = planes.reshape(4, ntiles, 2, 8, steps, 2).transpose(1, 4, 2, 3, 5, 0)  # tile, step, half, row, a, plane
-    return np.ascontiguousarray(q.reshape(ntiles, steps, 2, 8, 8)[..., ::-1]).reshape(-1)
+    q = planes.reshape(4, ntiles, 2, 8, steps, 2).transpose(1, 4, 2, 5, 3, 0)  # tile, step, half, a, row, plane
+    if not lane_order:  # row, then a and plane both reversed: byte 7 - (4 a + j)
+        return np.ascontiguousarray(q.transpose(0, 1, 2, 4, 3, 5)[..., ::-1, ::-1]).reshape(-1)
+    q = q[:, :, :, :, _LANE_ROWS, ::-1].copy()
+    q[..., 0] ^= 0xFF  # plane 3
+    return q.reshape(-1)
 
 
 def _onehot_tiles(stream: np.ndarray, rows: int, cols: int, planes: int) -> np.ndarray:

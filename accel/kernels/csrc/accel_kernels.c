@@ -1727,8 +1727,7 @@ static void onehot_int_tile(const uint8_t *tile, int64_t steps, const uint32_t *
  *   a byte pair, two of them a step and accumulator); vpmaddwd by ones sums a row's two lanes once a block.
  * This build's tile copy is laid out for these loads (accel_leech_planes_lane_order, weights._planes_tiles): a
  * step's half-tile is A (32 bytes: byte 2s of planes 3..0 a dword, rows 0,4,1,5 | 2,6,3,7) then B (byte 2s + 1),
- * so every 128-bit lane of A or B reads one table, with no regrouping (a shift, a blend and an XOR a register, 11%
- * of the operations, when it was the AVX-512 copy's qword a row). */
+ * so every 128-bit lane of A or B reads one table as loaded (docs/kernels.md, "AVX2 Leech tiles"). */
 #if HAVE_AVX2
 #define HAVE_LEECH_LUT 1
 #define LUT_PIECES 4 /* digits of 5, 5, 5 and 6 bits (5 digits of 5 bits, |X| < 2^22: measured 1.14x slower) */
@@ -1868,9 +1867,9 @@ static void leech_lut_tile(const uint8_t *tiles, int64_t steps, int64_t t, const
 }
 
 /* Onehot stages on AVX2: the tile copy's step k (32 coordinates of 16 rows: per plane 16 rows x 4 bytes) half by
- * half, bit-sliced into the planes of v as in onehot_tiled_step (sign-extended to 4 planes; spread_parity8), then a 4 x 4 byte
- * transpose per row (one vpshufb a plane, two rounds of unpacks) gives four registers of one plane byte each, rows
- * 0-3 | 4-7 with their planes 3..0 in a dword, looked up as the 4-plane tiles are. */
+ * half, bit-sliced into the planes of v as in onehot_tiled_step (sign-extended to 4 planes; spread_parity8), then a
+ * 4 x 4 byte transpose per row (one vpshufb a plane, two rounds of unpacks) gives four registers of one plane byte
+ * each, rows 0-3 | 4-7 with their planes 3..0 in a dword, looked up as the 4-plane tiles are. */
 AI void onehot_lut_step(const uint8_t *tile, int64_t k, int h, int64_t ahead, const uint32_t *pw, int64_t pwords,
                         const int8_t *tk, __m256i acc[LUT_PIECES + 1], const int K) {
     const int nb = onehot_value_bits(K);
