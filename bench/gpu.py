@@ -118,7 +118,13 @@ def attempt(label: str, fn):
         return None, error
 
 
-def matvec_checks(check_shape, shapes, device, rounds, rng) -> tuple[list[dict], list[dict]]:
+def matvec_checks(check_shape, shapes, device, rounds, rng, nibble_configs=()) -> tuple[list[dict], list[dict]]:
+    """The Triton matvec kernels against float64 at check_shape, then timed at each shape. At the first shape the
+    Leech planes weight is also timed with its stage kernels alone (`leech-planes:stages`, no transforms) and with
+    each nibble-kernel launch in nibble_configs ((words an iteration, pipeline stages, warps): `leech-planes[w32 s1
+    x4]`, ...), so that one run on a GPU says which launch to keep."""
+    import copy
+
     import torch
     from gemv import make_weight
 
@@ -155,6 +161,14 @@ def matvec_checks(check_shape, shapes, device, rounds, rng) -> tuple[list[dict],
                 rows.append({"shape": f"{r}x{c}", "kernel": kind, "error": error})
             else:
                 arms[kind] = (lambda g=gpu, v=x: g.matvec(v), sum(int(p.nbytes) for p in parts.values()))
+                if kind == "leech-planes" and (r, c) == shapes[0]:
+                    gpu.matvec(x)  # z holds a transformed input for the stages-only arm
+                    arms[f"{kind}:stages"] = (gpu.run_stages, arms[kind][1])
+                    for block_w, stages, warps in nibble_configs:
+                        tuned = copy.copy(gpu)  # shares the device arrays; tune gives it its own partial sums
+                        tuned.tune(block_w, stages, warps)
+                        arms[f"{kind}[w{block_w} s{stages} x{warps}]"] = (lambda g=tuned, v=x: g.matvec(v),
+                                                                           arms[kind][1])
         calls = 20 if device == "cuda" else 1
         timed = {}
         for name, (fn, _) in list(arms.items()):
@@ -291,6 +305,8 @@ def main() -> None:
     parser.add_argument("--shapes", help="timed matvec shapes, e.g. 4096x4096,14336x4096 (default: the three large)")
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds per arm (median)")
     parser.add_argument("--parts", default="matvec,state", help="which sections to run: matvec, state or both")
+    parser.add_argument("--nibble-configs", default="32:1:4,64:1:4,32:3:4,64:2:8,128:1:8",
+                        help="Leech nibble-kernel launches also timed at the first shape: WORDS:STAGES:WARPS,...")
     parser.add_argument("--interpret", action="store_true",
                         help="tiny shapes on the CPU under TRITON_INTERPRET=1 (checks the script, times nothing)")
     args = parser.parse_args()
@@ -318,7 +334,9 @@ def main() -> None:
     parts = set(args.parts.split(","))
     errors, rows, state_error, state_rows = [], [], {"ok": True, "skipped": True}, []
     if "matvec" in parts:
-        found, failed = attempt("matvec section", lambda: matvec_checks(check_shape, shapes, device, rounds, rng))
+        configs = [tuple(int(v) for v in c.split(":")) for c in args.nibble_configs.split(",") if c]
+        found, failed = attempt("matvec section", lambda: matvec_checks(check_shape, shapes, device, rounds, rng,
+                                                                        configs))
         errors, rows = found if failed is None else ([{"kernel": "all", "ok": False, "error": failed}], [])
     if "state" in parts:
         layers, heads, dk, dv, batches = state

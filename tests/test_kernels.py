@@ -354,20 +354,33 @@ def test_rht_matches_numpy(rng, n, simd):
         assert _rel(data, rht(x, 77, inverse=inverse)) < 1e-6
 
 
-@pytest.mark.parametrize("n", [23, 432, 1536, 2048, 4104])
-def test_rht_torch_matches_numpy(rng, n):
-    """The GPU path's transform (torch ops, run here on the CPU) takes the factors as the C kernels do."""
-    import torch
+@pytest.mark.parametrize("rows,cols", [(1, 24), (37, 96), (1030, 48), (40, 1560)])
+def test_leech_nibble_copy_holds_the_plane_bits(rng, rows, cols):
+    """The GPU copy of a 4-plane stage (`leech_nibbles`, NumPy, any machine) holds every coordinate's v + 8 in its
+    nibble and every block's parity bit, in 32-row tiles: decoded back, the lattice points of the stored planes,
+    bit for bit, and v = 0 with parity 0 in the padding rows. 1030 rows cross the conversion's 1024-row chunks,
+    1560 columns (65 blocks) three parity words."""
+    from accel.formats.leech_codec import LeechPlanesLayout, ball_levels
+    from accel.kernels.triton_kernels import leech_nibbles
 
-    from accel.kernels.triton_kernels import rht_torch
-    from accel.quantize.incoherence import _factors, split_size
-
-    signs, r = _factors(n, 77)
-    x = rng.standard_normal((3, n))
-    for inverse in (False, True):
-        mat = torch.tensor(r.T if inverse else r)  # copies: the cached factors are read-only
-        got = rht_torch(torch.from_numpy(x), torch.tensor(signs), mat, split_size(n)[0], inverse).numpy()
-        assert _rel(got, rht(x, 77, inverse=inverse)) < 1e-12
+    layout, levels, count = LeechPlanesLayout(12), ball_levels(12), rows * cols // 24
+    indices = rng.integers(0, levels, size=count, dtype=np.uint64)
+    stream = layout.pack(indices, levels)
+    points = layout._points(indices).astype(np.int64).reshape(rows, cols)
+    nib, par = leech_nibbles(stream, rows, cols)
+    tiles, nblk = -(-rows // 32), cols // 24
+    assert nib.dtype == par.dtype == np.uint32
+    assert nib.shape == (tiles, cols // 8, 32) and par.shape == (tiles, -(-nblk // 32), 32)
+    words = nib.transpose(0, 2, 1).reshape(32 * tiles, cols // 8)  # [row, k]
+    v = ((words[:, :, None] >> (4 * np.arange(8, dtype=np.uint32))) & 15).astype(np.int64).reshape(-1, cols) - 8
+    block = np.arange(nblk)
+    pwords = par.transpose(0, 2, 1).reshape(32 * tiles, -1)
+    parity = ((pwords[:, block // 32] >> (block % 32).astype(np.uint32)) & 1).astype(np.int64)
+    x = 2 * v + np.repeat(parity, 24, axis=1)
+    assert np.array_equal(x[:rows], points)
+    assert not x[rows:].any()
+    tail = nblk % 32
+    assert tail == 0 or not (pwords[:, -1] >> np.uint32(tail)).any()  # the padding bits are zero
 
 
 def test_half_to_float_exhaustive():

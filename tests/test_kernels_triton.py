@@ -21,12 +21,14 @@ CASES = [
     ("affine", {"levels": 4, "group": 16, "symmetric": True}), ("affine", {"levels": 3, "group": 32, "layout": "base"}),
     ("leech", {"shells": (13,), "layout": "planes", "seed_in": 2, "seed_out": 3}),
     ("leech", {"shells": (13, 3), "layout": "onehot", "seed_in": 2, "seed_out": 3}),
+    ("leech", {"shells": (13, 3), "layout": "planes", "seed_in": 4, "seed_out": 5}),
+    ("leech", {"shells": (12, 6), "layout": "planes", "seed_in": 6, "seed_out": 7}),
 ]
 
 
 @pytest.mark.parametrize("shape", [(37, 53), (20, 96)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("codec,params", CASES, ids=["int8", "int4", "int2-sym", "base3", "leech2-planes",
-                                                     "leech3-onehot"])
+                                                     "leech3-onehot", "leech3-planes-4+3", "leech-planes-4+4"])
 def test_triton_matvec(rng, shape, codec, params):
     import torch
 
@@ -40,6 +42,64 @@ def test_triton_matvec(rng, shape, codec, params):
     y = gpu.matvec(torch.from_numpy(x).to(triton_kernels._device())).cpu().double().numpy()
     ref = reference_matvec(entry, parts, x)
     assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-5
+
+
+@pytest.mark.parametrize("codec,params", [CASES[4], CASES[6]], ids=["leech2-planes", "leech3-planes-4+3"])
+def test_triton_leech_matvec_in_tiles_and_splits(rng, codec, params):
+    """70 x 1000 (1008 coded columns): three 32-row tiles (the last one partial), 126 words split among 4
+    programs a tile, 42 blocks' parity in two words a row, and twice over: the second call reuses the buffers."""
+    import torch
+
+    from accel.kernels import kernel_weight
+    from accel.kernels.reference import reference_matvec
+
+    entry, arrays = encode_tensor("w", rng.standard_normal((70, 1000)), codec, **params)
+    parts = {p: arrays[n] for p, n in entry.parts.items()}
+    gpu = triton_kernels.gpu_weight(kernel_weight(entry, parts))
+    assert gpu.splits == 4 and gpu.parts == 4 and gpu.stages[0][0] == "nibble"
+    for _ in range(2):
+        x = rng.standard_normal(1000).astype(np.float32)
+        y = gpu.matvec(torch.from_numpy(x).to(triton_kernels._device())).cpu().double().numpy()
+        ref = reference_matvec(entry, parts, x)
+        assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-5
+
+
+@pytest.mark.parametrize("n", [24, 432, 1536, 2048, 4104])
+def test_transform_kernel_against_float64(rng, n):
+    """`_rht_kernel` is both seeded transforms: V (signs first) on a zero-padded input, plain or written as the
+    Leech stages read it, and U^T on a sum of partial vectors with the row scales folded in before and the signs
+    after."""
+    import torch
+
+    from accel.quantize.incoherence import _factors, rht, split_size
+
+    signs, r = _factors(n, 77)
+    odd = split_size(n)[0]
+
+    def dev(a):
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(triton_kernels._device())
+
+    def rel(got, want):
+        return np.linalg.norm(got - want) / np.linalg.norm(want)
+
+    x = rng.standard_normal(n)
+    given = n - 5  # the last 5 elements are padding, read as zeros
+    want = rht(np.where(np.arange(n) < given, x, 0.0), 77)
+    forward = triton_kernels._Transform(signs, r, odd, dev)
+    out = torch.full((n,), np.nan, device=triton_kernels._device())
+    forward(dev(x[:given]), given, out)
+    assert rel(out.cpu().numpy(), want) < 1e-6
+    stage = torch.full((9 * n // 8,), np.nan, device=triton_kernels._device())
+    forward(dev(x[:given]), given, stage, stage_input=True)
+    rows = stage.cpu().double().numpy().reshape(9, n // 8)  # [n', k]: z[8k + n'] * 16^-m(n'), then word sums
+    m = np.array([0, 1, 2, 3, 4, 2, 3, 4])
+    assert rel((rows[:8] * 16.0 ** m[:, None]).T.reshape(-1), want) < 1e-6
+    assert rel(rows[8], want.reshape(-1, 8).sum(axis=1)) < 1e-6
+    inverse = triton_kernels._Transform(signs, r.T, odd, dev)
+    scale, parts = rng.random(n), rng.standard_normal((3, n))
+    out = torch.full((n,), np.nan, device=triton_kernels._device())
+    inverse(dev(parts), n, out, pre=dev(scale), post=inverse.signs, parts=3)
+    assert rel(out.cpu().numpy(), rht(parts.sum(axis=0) * scale, 77, inverse=True)) < 1e-6
 
 
 def test_gpu_bench_script_runs_under_the_triton_interpreter():

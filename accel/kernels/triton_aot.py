@@ -37,6 +37,7 @@ triton = triton_kernels.triton
 
 # kernels by the module attribute the wrappers launch them through
 KERNELS = {(triton_kernels, "_affine_kernel"), (triton_kernels, "_leech_kernel"),
+           (triton_kernels, "_leech_nibble_kernel"), (triton_kernels, "_rht_kernel"),
            (state_update_triton, "_damp_step_kernel"), (state_update_triton, "_f32_step_kernel")}
 OPTIONS = ("num_warps", "num_stages", "num_ctas")  # launch keywords that are compile options, not arguments
 
@@ -59,6 +60,8 @@ class Compiled:
     options: dict
     cubin: bytes
     resources: dict = field(default_factory=dict)  # REG, STACK, SHARED, LOCAL as cuobjdump reports them
+    specialized: dict = field(default_factory=dict)  # arguments compiled as constants as the JIT would (an int 1)
+    aligned: tuple = ()  # arguments marked divisible by 16 as the JIT would (aligned pointers, multiples of 16)
 
 
 def available() -> str | None:
@@ -140,10 +143,26 @@ def compile_launch(launch: Launch, arch: int = 90) -> Compiled:
     constexpr = [p.name for p in kernel.params if p.is_constexpr]
     signature = {name: "constexpr" if name in constexpr else _type_of(value) for name, value in bound.items()}
     constants = {name: bound[name] for name in constexpr}  # in the kernel's parameter order
-    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
+    # what the JIT specializes on at a launch: an integer 1 becomes a constant, and pointers 16-byte aligned and
+    # integers divisible by 16 are marked so (vector loads and address arithmetic depend on it)
+    specialized = dict(constants)
+    attrs = {}
+    for index, (name, value) in enumerate(bound.items()):
+        if name in constexpr or isinstance(value, bool):
+            continue
+        if isinstance(value, (int, np.integer)) and int(value) == 1:
+            signature[name] = "constexpr"
+            specialized[name] = 1
+        elif (isinstance(value, (int, np.integer)) and int(value) % 16 == 0) or \
+                (hasattr(value, "data_ptr") and value.data_ptr() % 16 == 0):
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=specialized, attrs=attrs),
                               target=GPUTarget("cuda", arch, 32), options=options)
     cubin = compiled.asm["cubin"]
-    return Compiled(launch, constants, options, cubin, _resources(cubin, launch.name))
+    names = list(bound)
+    return Compiled(launch, constants, options, cubin, _resources(cubin, launch.name),
+                    {k: v for k, v in specialized.items() if k not in constants},
+                    tuple(names[index] for (index,) in attrs))
 
 
 def _resources(cubin: bytes, name: str) -> dict:
@@ -164,7 +183,8 @@ def _resources(cubin: bytes, name: str) -> dict:
 
 def default_launches(seed: int = 0) -> list[Launch]:
     """The launches `bench/gpu.py` and the tests make: a matvec of every stored layout the GPU serves (int8, int4,
-    int2 symmetric, base-3, Leech planes, Leech onehot with a residual stage), and the DAMP and float32 state steps
+    int2 symmetric, base-3, Leech planes, Leech onehot with a residual stage), the Leech transforms at the sizes
+    bench/gpu.py times (4096 and 14336 rows and columns; columns padded to 24), and the DAMP and float32 state steps
     for GDN and KDA decay at Qwen3-Next's head size (128 x 128) and the fixtures' (64 x 64)."""
     import torch
 
@@ -182,6 +202,17 @@ def default_launches(seed: int = 0) -> list[Launch]:
             entry, arrays = encode_tensor("w", rng.standard_normal((48, 96)), codec, **params)
             weight = kernel_weight(entry, {p: arrays[n] for p, n in entry.parts.items()})
             triton_kernels.gpu_weight(weight).matvec(torch.zeros(96, dtype=torch.float32))
+        for n, inverse in ((4104, False), (4096, True), (14352, False), (14336, True)):  # bench/gpu.py's shapes
+            from accel.quantize.incoherence import _factors, split_size
+
+            signs, rot = _factors(n, 1)
+            transform = triton_kernels._Transform(signs, rot.T if inverse else rot, split_size(n)[0],
+                                                  lambda a: torch.from_numpy(np.ascontiguousarray(a, np.float32)))
+            vec = torch.zeros(n, dtype=torch.float32)
+            if inverse:
+                transform(torch.zeros(4 * n), n, vec, pre=vec, post=transform.signs, parts=4)
+            else:
+                transform(vec, n - 8, torch.zeros(9 * n // 8), stage_input=True)
         for d in (128, 64):
             for kda in (False, True):
                 b, h, n_hi = 1, 2, d // 4

@@ -1,10 +1,13 @@
-"""Triton GPU versions of the fused decode + matvec kernels (UNVERIFIED: no GPU was available when they were written).
+"""Triton GPU versions of the fused decode + matvec kernels (UNVERIFIED on a GPU: none was available when they were
+written; they are checked under Triton's interpreter and compiled for sm_90 ahead of time).
 
 Importing this module never fails: `available()` says whether Triton and a CUDA device are both present, and
 `gpu_weight(kernel_weight)` moves a CPU `KernelWeight`'s stored parts to the device and returns an object whose
-`matvec(x)` runs the Triton kernel. Each program computes BLOCK_R rows, walking the columns in BLOCK_C chunks and
-decoding codes in registers (bytes in, float32 accumulation); the dense matrix is never formed. The Leech path
-applies V and U^T with torch on the device (`rht_torch`) around the code matvec, like the CPU kernel.
+`matvec(x)` runs the Triton kernels. The affine kernel computes BLOCK_R rows a program, walking the columns in
+BLOCK_C chunks and decoding codes in registers (bytes in, float32 accumulation); the dense matrix is never formed.
+A Leech matvec is three kernels or more: the input transform V (`_rht_kernel`), one kernel per stage (4-plane stages
+from a nibble copy of their planes, `_leech_nibble_kernel`; 3-plane and one-hot stages from the stored stream,
+`_leech_kernel`), and the output transform U^T with the row scales folded in (`_rht_kernel`).
 """
 
 from __future__ import annotations
@@ -83,9 +86,19 @@ if triton is not None:
         tl.store(y + r, acc, mask=rmask)
 
     @triton.jit
-    def _leech_kernel(stream, z, t, rows, cols, nblk, plane, alpha, ONEHOT: tl.constexpr, PARAM: tl.constexpr,
-                      NPLANES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-        """t[r] += alpha * <x[r], z> for one stage (x: the lattice point coordinates of row r's blocks)."""
+    def _stage_z(zt, c, words, cmask):
+        """z[c] from the stage input `zt` (see `_rht_kernel`'s STAGE_INPUT)."""
+        n = c & 7
+        m = tl.where(n <= 4, n, n - 3)
+        unscale = ((127 + 4 * m) << 23).to(tl.float32, bitcast=True)  # 16^m, exactly
+        return tl.load(zt + n * words + (c >> 3), mask=cmask, other=0.0) * unscale
+
+    @triton.jit
+    def _leech_kernel(stream, zt, t, rows, cols, nblk, plane, alpha, ONEHOT: tl.constexpr, PARAM: tl.constexpr,
+                      NPLANES: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_R: tl.constexpr,
+                      BLOCK_C: tl.constexpr):
+        """t[r] (+)= alpha * <x[r], z> for one stage read from its stored planes or one-hot masks (x: the lattice
+        point coordinates of row r's blocks)."""
         pid = tl.program_id(0)
         r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
         rmask = r < rows
@@ -112,51 +125,168 @@ if triton is not None:
                     v |= ((tl.load(stream + j * plane + byte, mask=m, other=0).to(tl.int32) >> sh) & 1) << j
                 v = tl.where(v >= (1 << (PARAM - 1)), v - (1 << PARAM), v)
                 xq = 2 * v + par
-            zv = tl.load(z + c, mask=cmask, other=0.0)
+            zv = _stage_z(zt, c, cols // 8, cmask)
             acc += tl.sum(tl.where(m, xq.to(tl.float32) * zv[None, :], 0.0), axis=1)
-        old = tl.load(t + r, mask=rmask, other=0.0)
-        tl.store(t + r, old + alpha * acc, mask=rmask)
+        out = alpha * acc
+        if ACCUMULATE:
+            out += tl.load(t + r, mask=rmask, other=0.0)
+        tl.store(t + r, out, mask=rmask)
+
+    @triton.jit
+    def _leech_nibble_kernel(nib, par, zt, t, rows, words, pwords, wsplit, alpha, ACCUMULATE: tl.constexpr,
+                             SPLITS: tl.constexpr, BLOCK_W: tl.constexpr, STAGES: tl.constexpr):
+        """Partial sums t[split, r] (+)= alpha * <x[r], z> over one split's words, for a 4-plane stage read from its
+        GPU copy (`leech_nibbles`: 32-row tiles, word k of a tile = 32 rows' coordinates 8k..8k+7, nibble n of a
+        row's word u = v + 8, x = 2v + p).
+
+        Program (tile, split): 32 rows, words split * wsplit up to the next split. The lanes run along the rows,
+        so a load of 32 words is one 128-byte line and each input value is one broadcast for 32 rows. A nibble
+        becomes a float without a shift or a conversion: masked in place and OR-ed into the mantissa of 2^23, it
+        is 2^23 + u * 16^m exactly, and the input row it meets is stored times 16^-m (`_rht_kernel`). Per row:
+        sum x z = 2 sum u z - 16 sum z + sum_b p_b zb_b, with zb_b, block b's input sum, from the word sums."""
+        tile = tl.program_id(0)
+        split = tl.program_id(1)
+        rr = tl.arange(0, 32)
+        r = tile * 32 + rr
+        k_lo = split * wsplit
+        k_hi = tl.minimum(k_lo + wsplit, words)
+        base = nib + tile.to(tl.int64) * words * 32
+        acc = tl.zeros((BLOCK_W, 32), dtype=tl.float32)
+        zsum = tl.zeros((BLOCK_W,), dtype=tl.float32)
+        for k0 in tl.range(k_lo, k_hi, BLOCK_W, num_stages=STAGES):
+            k = k0 + tl.arange(0, BLOCK_W)
+            kmask = k < k_hi
+            w = tl.load(base + k[:, None] * 32 + rr[None, :], mask=kmask[:, None], other=0)
+            high = w >> 12  # nibbles 5..7 at bits 8..19
+            for n in tl.static_range(8):
+                if n <= 4:
+                    field = w & (15 << (4 * n))
+                else:
+                    field = high & (15 << (4 * (n - 3)))
+                u = (field | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                acc += u * tl.load(zt + n * words + k, mask=kmask, other=0.0)[:, None]
+            zsum += tl.load(zt + 8 * words + k, mask=kmask, other=0.0)
+        part = 2.0 * tl.sum(acc, axis=0) - 16.0 * tl.sum(zsum, axis=0)
+        pbase = par + tile.to(tl.int64) * pwords * 32
+        for q in range(split, pwords, SPLITS):  # the parity words, shared out among the splits
+            pw = tl.load(pbase + q * 32 + rr)
+            for b in tl.static_range(32):
+                s3 = 3 * (q * 32 + b)
+                zb = (tl.load(zt + 8 * words + s3, mask=s3 < words, other=0.0)
+                      + tl.load(zt + 8 * words + s3 + 1, mask=s3 + 1 < words, other=0.0)
+                      + tl.load(zt + 8 * words + s3 + 2, mask=s3 + 2 < words, other=0.0))
+                part += tl.where(((pw >> b) & 1) != 0, zb, 0.0)
+        out = alpha * part
+        rmask = r < rows
+        if ACCUMULATE:
+            out += tl.load(t + split * rows + r, mask=rmask, other=0.0)
+        tl.store(t + split * rows + r, out, mask=rmask)
+
+    @triton.jit
+    def _rht_kernel(src, pre, post, mat, dst, n_src, odd, norm, P: tl.constexpr, LOG2P: tl.constexpr,
+                    BI: tl.constexpr, BJ: tl.constexpr, PARTS: tl.constexpr, HAS_POST: tl.constexpr,
+                    STAGE_INPUT: tl.constexpr):
+        """dst = post * (M ⊗ H_P)(pre * src) on n = odd * P elements (index i * P + p), src read as 0 from n_src on
+        and, with PARTS > 1, as the sum of PARTS vectors n_src apart.
+
+        The seeded transforms are this with M = R, pre = signs (forward, V) or M = R^T, post = signs (inverse, U^T;
+        pre = the row scales there, folding diag(scale) in). H_P is the normalized Walsh-Hadamard matrix, applied
+        in registers as log2(P) butterflies. M mixes the odd axis and H_P the power-of-two one, so the order of
+        the two does not matter. A program computes BI values of i for every p.
+
+        STAGE_INPUT writes what the Leech stage kernels read (n / 8 words of 8 values; P is a multiple of 8):
+        dst[n' * words + k] = z[8k + n'] * 16^-m, m = n' for n' <= 4 and n' - 3 above, and dst[8 * words + k] the
+        word's sum of z."""
+        pid = tl.program_id(0)
+        i = pid * BI + tl.arange(0, BI)
+        imask = i < odd
+        p = tl.arange(0, P)
+        y = tl.zeros((BI, P), dtype=tl.float32)
+        for j0 in range(0, odd, BJ):
+            j = j0 + tl.arange(0, BJ)
+            c = j[:, None] * P + p[None, :]
+            xm = (j[:, None] < odd) & (c < n_src)
+            x = tl.load(src + c, mask=xm, other=0.0)
+            for part in tl.static_range(1, PARTS):
+                x += tl.load(src + part * n_src + c, mask=xm, other=0.0)
+            x = x * tl.load(pre + c, mask=xm, other=0.0)
+            mij = tl.load(mat + i[:, None] * odd + j[None, :], mask=imask[:, None] & (j[None, :] < odd), other=0.0)
+            y += tl.sum(mij[:, :, None] * x[None, :, :], axis=1)
+        for s in tl.static_range(LOG2P):  # butterflies of half-width h = 2^s: [a, b] -> [a + b, a - b]
+            q = tl.permute(tl.reshape(y, (BI, P >> (s + 1), 2, 1 << s)), (0, 1, 3, 2))
+            a, b = tl.split(q)
+            y = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (BI, P))
+        y = y * norm
+        c = i[:, None] * P + p[None, :]
+        om = imask[:, None] & (p[None, :] < P)
+        if HAS_POST:
+            y = y * tl.load(post + c, mask=om, other=0.0)
+        if STAGE_INPUT:
+            words = odd * (P // 8)
+            n = c & 7
+            m = tl.where(n <= 4, n, n - 3)
+            tl.store(dst + n * words + (c >> 3), y * ((127 - 4 * m) << 23).to(tl.float32, bitcast=True), mask=om)
+            k = i[:, None] * (P // 8) + tl.arange(0, P // 8)[None, :]
+            tl.store(dst + 8 * words + k, tl.sum(tl.reshape(y, (BI, P // 8, 8)), axis=2), mask=imask[:, None])
+        else:
+            tl.store(dst + c, y, mask=om)
 
 
-def _hadamard(p: int, like):
-    """The normalized p x p Walsh-Hadamard matrix (Sylvester order, p a power of two) in `like`'s dtype and device."""
-    import torch
+def leech_nibbles(stream: np.ndarray, rows: int, cols: int, chunk: int = 1024) -> tuple[np.ndarray, np.ndarray]:
+    """A 4-plane Leech stage's GPU copy, in 32-row tiles (the last one padded with zero bits):
+    (nibbles [tiles, cols / 8, 32] uint32, parity [tiles, ceil(cols / 768), 32] uint32).
 
-    h = torch.ones((1, 1), dtype=torch.float64)
-    while h.shape[0] < p:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h / p**0.5).to(dtype=like.dtype, device=like.device)
+    The same bits as the stored planes, regrouped by coordinate: nibble n of word [tile, k, i] is u = v + 8 for
+    coordinate 8k + n of row 32 tile + i (v the 4-bit two's complement of plane bits 0..3, so u is those bits with
+    the top one complemented); bit b % 32 of parity word [tile, b // 32, i] is block b's parity bit of that row.
+    Pure NumPy, a chunk of rows at a time."""
+    rowbytes, nblk = cols // 8, cols // 24
+    plane = rows * rowbytes
+    tiles = -(-rows // 32)
+    planes = stream[: 4 * plane].reshape(4, rows, rowbytes)
+    nib = np.zeros((tiles * 32, cols // 2), dtype=np.uint8)
+    nib[rows:, :] = 0x88  # padding rows: v = 0
+    for r0 in range(0, rows, chunk):
+        bits = np.unpackbits(planes[:, r0 : r0 + chunk], axis=2, bitorder="little")
+        u = (bits[0] | bits[1] << 1 | bits[2] << 2 | (bits[3] ^ 1) << 3).astype(np.uint8)
+        nib[r0 : r0 + u.shape[0]] = u[:, 0::2] | u[:, 1::2] << 4
+    flags = np.unpackbits(stream[4 * plane :], count=rows * nblk, bitorder="little").reshape(rows, nblk)
+    pwords = -(-nblk // 32)
+    padded = np.zeros((tiles * 32, 32 * pwords), dtype=np.uint8)
+    padded[:rows, :nblk] = flags
+    parity = np.packbits(padded, axis=1, bitorder="little").view("<u4")
+    words = nib.view("<u4")
+    return (np.ascontiguousarray(words.reshape(tiles, 32, -1).transpose(0, 2, 1)).astype(np.uint32),
+            np.ascontiguousarray(parity.reshape(tiles, 32, -1).transpose(0, 2, 1)).astype(np.uint32))
 
 
-def hadamard_factors(power: int, like) -> tuple:
-    """(H_a, H_b) with a * b = power, a <= b, a the largest power of two not above sqrt(power): H_power = H_a ⊗ H_b."""
-    a = 1 << ((power.bit_length() - 1) // 2)
-    return _hadamard(a, like), _hadamard(power // a, like)
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
 
 
-def rht_torch(x, signs, mat, odd: int, inverse: bool, hadamard=None):
-    """The seeded transform on the last axis with torch ops (device-agnostic): forward Q x, or Q^T x when inverse
-    (mat is R for forward, R^T for inverse, as the CPU kernels take them).
+class _Transform:
+    """One side's seeded transform on the device: launches `_rht_kernel` (one program per BI values of the odd
+    axis; BI * BJ * P temporaries at most about 4096)."""
 
-    The Walsh-Hadamard factor H_P (P = n / odd) is applied as H_a ⊗ H_b with a·b = P, a ≤ b (Sylvester's H_P is
-    that Kronecker product): two small matrix products on the vector viewed as [odd, a, b], so the whole transform
-    is four device operations (signs, two Hadamard factors, R) whatever P is. `hadamard` = (H_a, H_b) if the caller
-    keeps them (GpuWeight does); else they are built here."""
-    n = x.shape[-1]
-    power = n // odd
-    ha, hb = hadamard if hadamard is not None else hadamard_factors(power, x)
-    a, b = ha.shape[0], hb.shape[0]
-    lead = x.shape[:-1]
+    def __init__(self, signs, mat, odd: int, dev):
+        self.n = int(signs.size)
+        self.odd = int(odd)
+        self.power = self.n // self.odd
+        self.signs = dev(signs)
+        self.mat = dev(mat)  # odd x odd; for odd = 1 a sign, +-1
+        self.log2p = self.power.bit_length() - 1
+        self.bj = max(1, min(_pow2(self.odd), 16, 4096 // self.power))
+        self.bi = max(1, min(_pow2(self.odd), 8, 4096 // (self.bj * self.power)))
+        self.warps = 8 if self.bi * self.power >= 4096 else 4
 
-    def fwht(y):  # [N, odd, P] -> H_P applied to each length-P piece
-        return (ha @ y.reshape(-1, odd, a, b) @ hb).reshape(-1, odd, power)
-
-    y = x.reshape(-1, n)
-    if not inverse:
-        y = fwht((y * signs).reshape(-1, odd, power))
-        return (mat @ y).reshape(*lead, n)
-    y = fwht(mat @ y.reshape(-1, odd, power))
-    return (y.reshape(-1, n) * signs).reshape(*lead, n)
+    def __call__(self, src, n_src: int, dst, pre=None, post=None, stage_input: bool = False, parts: int = 1):
+        if stage_input and self.power % 8:
+            raise ValueError(f"a stage input needs a power-of-two factor of at least 8, not {self.power}")
+        grid = (triton.cdiv(self.odd, self.bi),)
+        _rht_kernel[grid](src, self.signs if pre is None else pre, self.signs if post is None else post, self.mat,
+                          dst, n_src, self.odd, self.power ** -0.5, P=self.power, LOG2P=self.log2p, BI=self.bi,
+                          BJ=self.bj, PARTS=parts, HAS_POST=post is not None, STAGE_INPUT=stage_input,
+                          num_warps=self.warps)
 
 
 class GpuWeight:
@@ -164,6 +294,11 @@ class GpuWeight:
 
     BLOCK_R = 16
     BLOCK_C = 128
+    # the nibble kernel's launch (`tune`): words (of 32 rows x 8 coordinates) an iteration, software pipeline
+    # stages (1: plain loads), warps a program. Not measured on a GPU yet: bench/gpu.py times the alternatives
+    NIBBLE_W = 32
+    NIBBLE_STAGES = 1
+    NIBBLE_WARPS = 4
 
     def __init__(self, weight):
         import torch
@@ -190,43 +325,78 @@ class GpuWeight:
                            else self.scale)
         elif isinstance(weight, LeechWeight):
             self.kind = "leech"
-            self.streams = [dev(s) for s in weight.streams]
+            rows, cols = self.shape[0], weight.cols
+            onehot = weight.kind == "leech-onehot"
+            self.stages = []  # (kind, stored arrays, alpha, launch constants) per stage
+            for stream, param, alpha in zip(weight.streams, weight._params, weight._alphas, strict=True):
+                if not onehot and param == 4:  # the nibble copy: the same bits, one coordinate a nibble
+                    nib, par = leech_nibbles(stream, rows, cols)
+                    self.stages.append(("nibble", (dev(nib.view(np.int32)), dev(par.view(np.int32))), float(alpha),
+                                        {"pwords": par.shape[1]}))
+                else:  # 3-plane and one-hot stages: the stored stream
+                    self.stages.append(("stored", (dev(stream),), float(alpha),
+                                        {"ONEHOT": int(onehot), "PARAM": int(param),
+                                         "NPLANES": int(param) + int(onehot)}))
             self.scale = dev(weight.scale.view(np.float16).astype(np.float32))
-            self.factors = {k: (dev(s), dev(m), odd) for k, (s, m, odd) in weight.factors.items()}
-            self.hadamard = {side: hadamard_factors(signs.numel() // odd, signs)
-                             for side, (signs, _, odd) in self.factors.items()}
+            self.transforms = {side: _Transform(signs, mat, odd, dev)
+                               for side, (signs, mat, odd) in weight.factors.items()}
+            self.z = torch.empty(9 * cols // 8, dtype=torch.float32, device=device)
+            self.tune(self.NIBBLE_W, self.NIBBLE_STAGES, self.NIBBLE_WARPS)
         else:
             raise TypeError(f"no GPU kernel for {type(weight).__name__}")
+
+    def tune(self, block_w: int, stages: int, warps: int) -> None:
+        """Set the nibble kernel's launch: block_w words an iteration (a power of two), stages of Triton's software
+        pipeline (1: none), warps a program. A nibble stage's words are split among programs per 32-row tile, in
+        whole iterations, so that there are some 512 programs or more; each split keeps its own partial row sums
+        (rows of t), which the output transform adds up."""
+        import torch
+
+        rows, words = self.shape[0], self.cpu.cols // 8
+        self.block_w, self.pipeline, self.warps = int(block_w), int(stages), int(warps)
+        want = max(1, min(8, -(-512 // -(-rows // 32))))
+        self.wsplit = -(-words // (want * self.block_w)) * self.block_w
+        self.splits = -(-words // self.wsplit)
+        self.parts = self.splits if any(kind == "nibble" for kind, *_ in self.stages) else 1
+        self.t = torch.empty((self.parts, rows), dtype=torch.float32, device=self.z.device)
 
     def matvec(self, x):
         import torch
 
         rows, cols = self.shape
-        grid = (triton.cdiv(rows, self.BLOCK_R),)
         w = self.cpu
         if self.kind == "affine":
             y = torch.empty(rows, dtype=torch.float32, device=x.device)
-            _affine_kernel[grid](self.codes, self.codes.numel(), self.scale, self.offset, x, y, rows, cols,
+            _affine_kernel[(triton.cdiv(rows, self.BLOCK_R),)](self.codes, self.codes.numel(), self.scale, self.offset, x, y, rows, cols,
                                  self.scale.shape[1],
                                  w.group, w.levels, max(w.base_g, 1), max(w.base_b, 1), BITS=w.bits,
                                  SYMMETRIC=w.symmetric, BASE=w.base_g > 0, BLOCK_R=self.BLOCK_R,
                                  BLOCK_C=self.BLOCK_C)
             return y
-        z = torch.zeros(w.cols, dtype=torch.float32, device=x.device)
-        z[:cols] = x
-        signs, mat, odd = self.factors["in"]
-        z = rht_torch(z, signs, mat, odd, inverse=False, hadamard=self.hadamard["in"]).contiguous()
-        t = torch.zeros(rows, dtype=torch.float32, device=x.device)
-        nblk = w.cols // 24
-        plane = 3 * rows * nblk
-        onehot = int(w.kind == "leech-onehot")
-        for i, stream in enumerate(self.streams):
-            _leech_kernel[grid](stream, z, t, rows, w.cols, nblk, plane, float(w._alphas[i]),
-                                ONEHOT=onehot, PARAM=int(w._params[i]), NPLANES=int(w._params[i]) + onehot,
-                                BLOCK_R=self.BLOCK_R, BLOCK_C=self.BLOCK_C)
-        t *= self.scale
-        signs, mat, odd = self.factors["out"]
-        return rht_torch(t, signs, mat, odd, inverse=True, hadamard=self.hadamard["out"])
+        # z = V [x; 0] as the stages read it, t = sum_s alpha_s P_s z, y = U^T diag(scale) t: a kernel each
+        self.transforms["in"](x, cols, self.z, stage_input=True)
+        self.run_stages()
+        y = torch.empty(rows, dtype=torch.float32, device=x.device)
+        self.transforms["out"](self.t, rows, y, pre=self.scale, post=self.transforms["out"].signs, parts=self.parts)
+        return y
+
+    def run_stages(self) -> None:
+        """A Leech matvec's middle: t from z, every stage (bench/gpu.py also times it alone)."""
+        rows, cols = self.shape[0], self.cpu.cols
+        words, nblk = cols // 8, cols // 24
+        zero_first = self.stages[0][0] != "nibble" and self.parts > 1  # a stored first stage writes part 0 only
+        if zero_first:
+            self.t.zero_()
+        for i, (kind, args, alpha, const) in enumerate(self.stages):
+            if kind == "nibble":
+                _leech_nibble_kernel[(triton.cdiv(rows, 32), self.splits)](
+                    *args, self.z, self.t, rows, words, const["pwords"], self.wsplit, alpha,
+                    ACCUMULATE=i > 0, SPLITS=self.splits, BLOCK_W=self.block_w, STAGES=self.pipeline,
+                    num_warps=self.warps)
+            else:
+                _leech_kernel[(triton.cdiv(rows, self.BLOCK_R),)](
+                    *args, self.z, self.t, rows, cols, nblk, 3 * rows * nblk, alpha, ACCUMULATE=i > 0 or zero_first,
+                    BLOCK_R=self.BLOCK_R, BLOCK_C=self.BLOCK_C, **const)
 
 
 def gpu_weight(weight) -> GpuWeight:
