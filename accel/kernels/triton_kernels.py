@@ -168,7 +168,9 @@ if triton is not None:
             zsum += tl.load(zt + 8 * words + k, mask=kmask, other=0.0)
         part = 2.0 * tl.sum(acc, axis=0) - 16.0 * tl.sum(zsum, axis=0)
         pbase = par + tile.to(tl.int64) * pwords * 32
-        for q in range(split, pwords, SPLITS):  # the parity words, shared out among the splits
+        # the parity words, shared out among the splits (which split starts turns with the tile, so that the
+        # programs with one word more are spread over the grid)
+        for q in range((split + tile) % SPLITS, pwords, SPLITS):
             pw = tl.load(pbase + q * 32 + rr)
             for b in tl.static_range(32):
                 s3 = 3 * (q * 32 + b)
