@@ -279,7 +279,7 @@ class _Transform:
         self.log2p = self.power.bit_length() - 1
         self.bj = max(1, min(_pow2(self.odd), 16, 4096 // self.power))
         self.bi = max(1, min(_pow2(self.odd), 8, 4096 // (self.bj * self.power)))
-        self.warps = 8 if self.bi * self.power >= 4096 else 4
+        self.warps = min(16, max(4, self.bi * self.power // 512))  # 16-64 values of y a thread
 
     def __call__(self, src, n_src: int, dst, pre=None, post=None, stage_input: bool = False, parts: int = 1):
         if stage_input and self.power % 8:
