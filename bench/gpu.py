@@ -118,11 +118,28 @@ def attempt(label: str, fn):
         return None, error
 
 
-def matvec_checks(check_shape, shapes, device, rounds, rng, nibble_configs=()) -> tuple[list[dict], list[dict]]:
+def cycled(fns: list):
+    """One callable that calls fns in turn: each call reads another copy of the weight."""
+    turn = [0]
+
+    def call():
+        fns[turn[0] % len(fns)]()
+        turn[0] += 1
+
+    return call
+
+
+def copies_for(nbytes: int, footprint: int) -> int:
+    return max(1, min(64, -(-footprint // max(nbytes, 1))))
+
+
+def matvec_checks(check_shape, shapes, device, rounds, rng, nibble_configs=(), footprint=0):
     """The Triton matvec kernels against float64 at check_shape, then timed at each shape. At the first shape the
     Leech planes weight is also timed with its stage kernels alone (`leech-planes:stages`, no transforms) and with
     each nibble-kernel launch in nibble_configs ((words an iteration, pipeline stages, warps): `leech-planes[w32 s1
-    x4]`, ...), so that one run on a GPU says which launch to keep."""
+    x4]`, ...), so that one run on a GPU says which launch to keep. Every arm cycles through copies of its weight
+    filling at least `footprint` bytes (as bench/gemv.py does on the CPU), so that with a footprint above the L2
+    cache (50 MB on an H100) the weights stream from device memory as in a model's decode step."""
     import copy
 
     import torch
@@ -150,8 +167,10 @@ def matvec_checks(check_shape, shapes, device, rounds, rng, nibble_configs=()) -
     for r, c in shapes:
         x = torch.from_numpy(rng.standard_normal(c).astype(np.float32)).to(device)
         dense = torch.from_numpy(rng.standard_normal((r, c)).astype(np.float32)).to(device)
-        arms = {"torch-fp16": (lambda w=dense.half(), v=x.half(): torch.mv(w, v), r * c * 2),
-                "torch-fp32": (lambda w=dense, v=x: torch.mv(w, v), r * c * 4)}
+        arms = {}
+        for name, dtype, size in (("torch-fp16", torch.float16, 2), ("torch-fp32", torch.float32, 4)):
+            mats = [dense.to(dtype, copy=True) for _ in range(copies_for(r * c * size, footprint))]
+            arms[name] = (cycled([lambda w=w, v=x.to(dtype): torch.mv(w, v) for w in mats]), r * c * size)
         del dense
         for kind in KERNELS:
             entry, parts = make_weight(kind, r, c, rng)
@@ -160,15 +179,20 @@ def matvec_checks(check_shape, shapes, device, rounds, rng, nibble_configs=()) -
             if gpu is None:
                 rows.append({"shape": f"{r}x{c}", "kernel": kind, "error": error})
             else:
-                arms[kind] = (lambda g=gpu, v=x: g.matvec(v), sum(int(p.nbytes) for p in parts.values()))
+                nbytes = sum(int(p.nbytes) for p in parts.values())
+                gpus = [gpu] + [gpu.clone() for _ in range(copies_for(nbytes, footprint) - 1)]
+                arms[kind] = (cycled([lambda g=g, v=x: g.matvec(v) for g in gpus]), nbytes)
                 if kind == "leech-planes" and (r, c) == shapes[0]:
-                    gpu.matvec(x)  # z holds a transformed input for the stages-only arm
-                    arms[f"{kind}:stages"] = (gpu.run_stages, arms[kind][1])
+                    for g in gpus:
+                        g.matvec(x)  # z holds a transformed input for the stages-only arm
+                    arms[f"{kind}:stages"] = (cycled([g.run_stages for g in gpus]), nbytes)
                     for block_w, stages, warps in nibble_configs:
-                        tuned = copy.copy(gpu)  # shares the device arrays; tune gives it its own partial sums
-                        tuned.tune(block_w, stages, warps)
-                        arms[f"{kind}[w{block_w} s{stages} x{warps}]"] = (lambda g=tuned, v=x: g.matvec(v),
-                                                                           arms[kind][1])
+                        tuned = [copy.copy(g) for g in gpus]  # the same device arrays; own partial sums
+                        for g in tuned:
+                            g.tune(block_w, stages, warps)
+                        arms[f"{kind}[w{block_w} s{stages} x{warps}]"] = (
+                            cycled([lambda g=g, v=x: g.matvec(v) for g in tuned]), nbytes)
+                del gpus
         calls = 20 if device == "cuda" else 1
         timed = {}
         for name, (fn, _) in list(arms.items()):
@@ -307,6 +331,8 @@ def main() -> None:
     parser.add_argument("--parts", default="matvec,state", help="which sections to run: matvec, state or both")
     parser.add_argument("--nibble-configs", default="32:1:4,64:1:4,32:3:4,64:2:8,128:1:8",
                         help="Leech nibble-kernel launches also timed at the first shape: WORDS:STAGES:WARPS,...")
+    parser.add_argument("--footprint-mb", type=int, default=None,
+                        help="MiB of weight copies each timed arm cycles through (default: 4x the GPU's L2; 0: one)")
     parser.add_argument("--interpret", action="store_true",
                         help="tiny shapes on the CPU under TRITON_INTERPRET=1 (checks the script, times nothing)")
     args = parser.parse_args()
@@ -330,13 +356,20 @@ def main() -> None:
         check_shape, state_check, rounds = (1536, 576), (2, 8, 64, 64), args.rounds
         state = (36, 32, 128, 128, STATE_BATCHES)
         shapes = ([tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES)
+    if args.footprint_mb is not None:
+        footprint = args.footprint_mb * 2**20
+    elif device == "cuda":  # four times the L2 cache
+        footprint = 4 * torch.cuda.get_device_properties(0).L2_cache_size
+    else:  # the interpreter: a few copies of the tiny weights, to run the cycling
+        footprint = 2**16
     started = time.perf_counter()
     parts = set(args.parts.split(","))
     errors, rows, state_error, state_rows = [], [], {"ok": True, "skipped": True}, []
     if "matvec" in parts:
         configs = [tuple(int(v) for v in c.split(":")) for c in args.nibble_configs.split(",") if c]
+        print(f"weights cycled over at least {footprint / 2**20:.2f} MiB per arm", file=sys.stderr)
         found, failed = attempt("matvec section", lambda: matvec_checks(check_shape, shapes, device, rounds, rng,
-                                                                        configs))
+                                                                        configs, footprint))
         errors, rows = found if failed is None else ([{"kernel": "all", "ok": False, "error": failed}], [])
     if "state" in parts:
         layers, heads, dk, dv, batches = state
@@ -358,7 +391,7 @@ def main() -> None:
              "damp_state_1.5x_torch_f32_graph": at_least(state_rows, "speedup_vs_torch_f32_graph", 1.5),
              "damp_state_1.5x_triton_f32_graph": at_least(state_rows, "speedup_vs_triton_f32_graph", 1.5),
              "all_errors_ok": all(e["ok"] for e in errors) and state_error["ok"]}
-    print(json.dumps({"bench": "gpu", "device": name, "seconds": time.perf_counter() - started,
+    print(json.dumps({"bench": "gpu", "device": name, "seconds": time.perf_counter() - started, "footprint": footprint,
                       "matvec_errors": errors, "rows": rows, "state_error": state_error, "state_rows": state_rows,
                       "goals": goals}))
 

@@ -102,6 +102,31 @@ def test_transform_kernel_against_float64(rng, n):
     assert rel(out.cpu().numpy(), rht(parts.sum(axis=0) * scale, 77, inverse=True)) < 1e-6
 
 
+@pytest.mark.parametrize("codec,params", [CASES[1], CASES[6]], ids=["int4", "leech3-planes-4+3"])
+def test_gpu_weight_clone_is_the_same_weight_elsewhere(rng, codec, params):
+    """bench/gpu.py cycles through clones so that weights stream from device memory: a clone computes the same
+    output, bit for bit, from arrays of its own."""
+    import torch
+
+    from accel.kernels import kernel_weight
+
+    entry, arrays = encode_tensor("w", rng.standard_normal((40, 96)), codec, **params)
+    gpu = triton_kernels.gpu_weight(kernel_weight(entry, {p: arrays[n] for p, n in entry.parts.items()}))
+    twin = gpu.clone()
+    x = torch.from_numpy(rng.standard_normal(96).astype(np.float32)).to(triton_kernels._device())
+    assert torch.equal(gpu.matvec(x), twin.matvec(x))
+
+    def pointers(g):
+        found = [v.data_ptr() for v in vars(g).values() if isinstance(v, torch.Tensor)]
+        for _, args, _, _ in getattr(g, "stages", []):
+            found += [a.data_ptr() for a in args]
+        for t in getattr(g, "transforms", {}).values():
+            found += [t.signs.data_ptr(), t.mat.data_ptr()]
+        return found
+
+    assert len(pointers(gpu)) >= 3 and not set(pointers(gpu)) & set(pointers(twin))
+
+
 def test_gpu_bench_script_runs_under_the_triton_interpreter():
     """bench/gpu.py is what a session lent a GPU runs in its few minutes of device time: its plumbing (every kernel
     checked against float64, every arm timed, the JSON line) is exercised here on tiny shapes."""

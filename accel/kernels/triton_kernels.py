@@ -349,6 +349,27 @@ class GpuWeight:
         else:
             raise TypeError(f"no GPU kernel for {type(weight).__name__}")
 
+    def clone(self) -> GpuWeight:
+        """The same weight in its own device memory (benchmarks cycle through copies so that the weights come from
+        device memory, not from the L2 cache)."""
+        import copy
+
+        import torch
+
+        twin = copy.copy(self)
+        for name, value in vars(self).items():
+            if isinstance(value, torch.Tensor):
+                setattr(twin, name, value.clone())
+        if self.kind == "leech":
+            twin.stages = [(kind, tuple(a.clone() for a in args), alpha, const)
+                           for kind, args, alpha, const in self.stages]
+            twin.transforms = {}
+            for side, transform in self.transforms.items():
+                twin.transforms[side] = copy.copy(transform)
+                twin.transforms[side].signs = transform.signs.clone()
+                twin.transforms[side].mat = transform.mat.clone()
+        return twin
+
     def tune(self, block_w: int, stages: int, warps: int) -> None:
         """Set the nibble kernel's launch: block_w words an iteration (a power of two), stages of Triton's software
         pipeline (1: none), warps a program. A nibble stage's words are split among programs per 32-row tile, in
