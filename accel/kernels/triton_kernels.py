@@ -269,8 +269,11 @@ def _pow2(n: int) -> int:
 
 
 class _Transform:
-    """One side's seeded transform on the device: launches `_rht_kernel` (one program per BI values of the odd
-    axis; BI * BJ * P temporaries at most about 4096)."""
+    """One side's seeded transform on the device: launches `_rht_kernel`, one program per BI values of the odd axis.
+
+    A program's loop over the odd axis takes BJ values a step, its products BI * BJ * P temporaries (at most 8192):
+    as few steps as that allows, since each is a round trip to memory (at 4104 columns, odd 513 and P 8: 513
+    programs of one step, each reading a row of R)."""
 
     def __init__(self, signs, mat, odd: int, dev):
         self.n = int(signs.size)
@@ -279,9 +282,10 @@ class _Transform:
         self.signs = dev(signs)
         self.mat = dev(mat)  # odd x odd; for odd = 1 a sign, +-1
         self.log2p = self.power.bit_length() - 1
-        self.bj = max(1, min(_pow2(self.odd), 16, 4096 // self.power))
-        self.bi = max(1, min(_pow2(self.odd), 8, 4096 // (self.bj * self.power)))
-        self.warps = min(16, max(4, self.bi * self.power // 512))  # 16-64 values of y a thread
+        budget = 8192
+        self.bj = max(1, min(_pow2(self.odd), budget // self.power))
+        self.bi = max(1, min(_pow2(self.odd), budget // (self.bj * self.power), 8))
+        self.warps = min(16, max(4, self.bi * self.bj * self.power // 512))  # 16 or more temporaries a thread
 
     def __call__(self, src, n_src: int, dst, pre=None, post=None, stage_input: bool = False, parts: int = 1):
         if stage_input and self.power % 8:
