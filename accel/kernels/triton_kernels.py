@@ -377,13 +377,14 @@ class GpuWeight:
     def tune(self, block_w: int, stages: int, warps: int) -> None:
         """Set the nibble kernel's launch: block_w words an iteration (a power of two), stages of Triton's software
         pipeline (1: none), warps a program. A nibble stage's words are split among programs per 32-row tile, in
-        whole iterations, so that there are some 512 programs or more; each split keeps its own partial row sums
+        whole iterations, so that there are some 1024 programs or more (all resident at once on an H100, with
+        more bytes in flight than one program each per SM would keep); each split keeps its own partial row sums
         (rows of t), which the output transform adds up."""
         import torch
 
         rows, words = self.shape[0], self.cpu.cols // 8
         self.block_w, self.pipeline, self.warps = int(block_w), int(stages), int(warps)
-        want = max(1, min(8, -(-512 // -(-rows // 32))))
+        want = max(1, min(8, -(-1024 // -(-rows // 32))))
         self.wsplit = -(-words // (want * self.block_w)) * self.block_w
         self.splits = -(-words // self.wsplit)
         self.parts = self.splits if any(kind == "nibble" for kind, *_ in self.stages) else 1
