@@ -44,6 +44,29 @@ def test_triton_matvec(rng, shape, codec, params):
     assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-5
 
 
+@pytest.mark.parametrize("params,kind", [
+    ({"levels": 256, "group": 128}, "affine-words"), ({"levels": 16, "group": 32}, "affine-words"),
+    ({"levels": 4, "group": 64}, "affine-words"), ({"levels": 4, "group": 16, "symmetric": True}, "affine-words"),
+    ({"levels": 16, "group": 24}, "affine"), ({"levels": 8, "group": 64}, "affine")],
+    ids=["int8-g128", "int4-g32", "int2-g64", "int2-sym-g16", "int4-g24", "int3-g64"])
+def test_triton_affine_word_kernel_and_its_fallback(rng, params, kind):
+    """8-, 4- and 2-bit codes whose groups are whole words (a power of two of them) take the word kernel, the rest
+    the stream kernel; 45 x 300: six 8-row tiles (the last partial), groups cut by the last column."""
+    import torch
+
+    from accel.kernels import kernel_weight
+    from accel.kernels.reference import reference_matvec
+
+    entry, arrays = encode_tensor("w", rng.standard_normal((45, 300)), "affine", **params)
+    parts = {p: arrays[n] for p, n in entry.parts.items()}
+    gpu = triton_kernels.gpu_weight(kernel_weight(entry, parts))
+    assert gpu.kind == kind
+    x = rng.standard_normal(300).astype(np.float32)
+    y = gpu.matvec(torch.from_numpy(x).to(triton_kernels._device())).cpu().double().numpy()
+    ref = reference_matvec(entry, parts, x)
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-5
+
+
 @pytest.mark.parametrize("codec,params", [CASES[4], CASES[6]], ids=["leech2-planes", "leech3-planes-4+3"])
 def test_triton_leech_matvec_in_tiles_and_splits(rng, codec, params):
     """70 x 1000 (1008 coded columns): three 32-row tiles (the last one partial), 126 words split among 4

@@ -36,8 +36,8 @@ from accel.kernels import state_update_triton, triton_kernels
 triton = triton_kernels.triton
 
 # kernels by the module attribute the wrappers launch them through
-KERNELS = {(triton_kernels, "_affine_kernel"), (triton_kernels, "_leech_kernel"),
-           (triton_kernels, "_leech_nibble_kernel"), (triton_kernels, "_rht_kernel"),
+KERNELS = {(triton_kernels, "_affine_kernel"), (triton_kernels, "_affine_words_kernel"),
+           (triton_kernels, "_leech_kernel"), (triton_kernels, "_leech_nibble_kernel"), (triton_kernels, "_rht_kernel"),
            (state_update_triton, "_damp_step_kernel"), (state_update_triton, "_f32_step_kernel")}
 OPTIONS = ("num_warps", "num_stages", "num_ctas")  # launch keywords that are compile options, not arguments
 

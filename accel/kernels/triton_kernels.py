@@ -86,6 +86,54 @@ if triton is not None:
         tl.store(y + r, acc, mask=rmask)
 
     @triton.jit
+    def _affine_words_kernel(words, scale, offset, x, y, rows, cols, nwords, ngroups, levels, magic,
+                             BITS: tl.constexpr, WPG: tl.constexpr, BLOCK_W: tl.constexpr, SYMMETRIC: tl.constexpr):
+        """y[r] = sum_g s_g sum_{c in g} q_c x_c + o_g sum_{c in g} x_c for 8 rows a program, from the GPU copy of
+        packed 8-, 4- or 2-bit codes (`affine_words`: 8-row tiles, word k of a row = its codes C k .. C k + C - 1,
+        C = 32 / BITS, code n at bits BITS n; WPG words a group), BLOCK_W words an iteration.
+
+        As in `_leech_nibble_kernel`, a code becomes a float by masking it in place and OR-ing it into the mantissa
+        of 2^23 (`magic`): 2^23 + q 2^(BITS p) exactly while the field ends below bit 23, so the codes past that
+        come from the word shifted right by BITS * R first (R = C - floor(23 / BITS) codes); the input value it
+        meets is scaled by 2^-(BITS p). Each word's products are scaled by its group's scale where they are (no
+        reduction inside the loop: one sum of the program's [BLOCK_W, 8] accumulator at the end)."""
+        C: tl.constexpr = 32 // BITS
+        R: tl.constexpr = C - 23 // BITS
+        tile = tl.program_id(0)
+        rr = tl.arange(0, 8)
+        r = tile * 8 + rr
+        wbase = words + tile.to(tl.int64) * nwords * 8
+        sbase = tile.to(tl.int64) * ngroups * 8
+        total = tl.zeros((BLOCK_W, 8), dtype=tl.float32)
+        for k0 in range(0, nwords, BLOCK_W):
+            k = k0 + tl.arange(0, BLOCK_W)
+            kmask = k < nwords
+            w = tl.load(wbase + k[:, None] * 8 + rr[None, :], mask=kmask[:, None], other=0)
+            high = w >> (BITS * R)
+            acc = tl.zeros((BLOCK_W, 8), dtype=tl.float32)
+            xsum = tl.zeros((BLOCK_W,), dtype=tl.float32)
+            for n in tl.static_range(C):
+                c = k * C + n
+                xv = tl.load(x + c, mask=c < cols, other=0.0)
+                xsum += xv
+                if n < C - R:
+                    field = w & (((1 << BITS) - 1) << (BITS * n))
+                    unscale = 1.0 / (1 << (BITS * n))  # exact: a power of two
+                else:
+                    field = high & (((1 << BITS) - 1) << (BITS * (n - R)))
+                    unscale = 1.0 / (1 << (BITS * (n - R)))
+                q = (field | magic).to(tl.float32, bitcast=True) - 8388608.0
+                acc += q * (xv * unscale)[:, None]
+            sidx = sbase + (k // WPG)[:, None] * 8 + rr[None, :]
+            sc = tl.load(scale + sidx, mask=kmask[:, None], other=0.0)
+            if SYMMETRIC:
+                off = -0.5 * (levels - 1) * sc
+            else:
+                off = tl.load(offset + sidx, mask=kmask[:, None], other=0.0)
+            total += acc * sc + off * xsum[:, None]
+        tl.store(y + r, tl.sum(total, axis=0), mask=r < rows)
+
+    @triton.jit
     def _stage_z(zt, c, words, cmask):
         """z[c] from the stage input `zt` (see `_rht_kernel`'s STAGE_INPUT)."""
         n = c & 7
@@ -170,6 +218,7 @@ if triton is not None:
             zsum += tl.load(zt + 8 * words + k, mask=kmask, other=0.0)
         part = 2.0 * tl.sum(acc, axis=0) - 16.0 * tl.sum(zsum, axis=0)
         pbase = par + tile.to(tl.int64) * pwords * 32
+        parity = tl.zeros((32,), dtype=tl.float32)  # apart from `part`: its own layout, joined once at the end
         # the parity words, shared out among the splits (which split starts turns with the tile, so that the
         # programs with one word more are spread over the grid)
         for q in range((split + tile) % SPLITS, pwords, SPLITS):
@@ -179,8 +228,8 @@ if triton is not None:
                 zb = (tl.load(zt + 8 * words + s3, mask=s3 < words, other=0.0)
                       + tl.load(zt + 8 * words + s3 + 1, mask=s3 + 1 < words, other=0.0)
                       + tl.load(zt + 8 * words + s3 + 2, mask=s3 + 2 < words, other=0.0))
-                part += tl.where(((pw >> b) & 1) != 0, zb, 0.0)
-        out = alpha * part
+                parity += tl.where(((pw >> b) & 1) != 0, zb, 0.0)
+        out = alpha * (part + parity)
         rmask = r < rows
         if ACCUMULATE:
             out += tl.load(t + split * rows + r, mask=rmask, other=0.0)
@@ -264,6 +313,33 @@ def leech_nibbles(stream: np.ndarray, rows: int, cols: int, chunk: int = 1024) -
             np.ascontiguousarray(parity.reshape(tiles, 32, -1).transpose(0, 2, 1)).astype(np.uint32))
 
 
+def affine_words(codes: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, bits: int, rows: int, cols: int,
+                 group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Packed 8-, 4- or 2-bit affine codes as the GPU's word kernel reads them: (words [tiles, groups * WPG, 8]
+    uint32, scale and offset [tiles, groups, 8] float32), 8-row tiles, the last tile and group padded with zeros.
+
+    `codes` is the stored bit stream (code i at bits bits * i, rows one after another); word k of a row holds its
+    codes C k .. C k + C - 1 (C = 32 / bits), code n at bits bits * n: the same code bits, regrouped."""
+    from accel.formats import bitpack
+
+    per_word = 32 // bits
+    ngroups = -(-cols // group)
+    tiles = -(-rows // 8)
+    q = np.zeros((tiles * 8, ngroups * group), dtype=np.uint32)
+    q[:rows, :cols] = bitpack.unpack_bits(codes, bits, rows * cols).reshape(rows, cols)
+    fields = q.reshape(tiles * 8, -1, per_word) << (bits * np.arange(per_word, dtype=np.uint32))
+    words = np.bitwise_or.reduce(fields, axis=2)
+
+    def tiled(a: np.ndarray, width: int) -> np.ndarray:
+        padded = np.zeros((tiles * 8, width), dtype=a.dtype)
+        padded[:rows] = a[:rows]
+        return np.ascontiguousarray(padded.reshape(tiles, 8, width).transpose(0, 2, 1))
+
+    side = [None if a is None else tiled(a.reshape(rows, ngroups).astype(np.float32), ngroups)
+            for a in (scale, offset)]
+    return tiled(words, words.shape[1]), side[0], side[1]
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
@@ -302,6 +378,7 @@ class GpuWeight:
 
     BLOCK_R = 16
     BLOCK_C = 128
+    AFFINE_W = 128  # the affine word kernel's words (of 8 rows) an iteration
     # the nibble kernel's launch (`tune`): words (of 32 rows x 8 coordinates) an iteration, software pipeline
     # stages (1: plain loads), warps a program. Not measured on a GPU yet: bench/gpu.py times the alternatives
     NIBBLE_W = 32
@@ -325,12 +402,23 @@ class GpuWeight:
         if isinstance(weight, AffineWeight):
             if weight.base_b > 24:
                 raise TypeError(f"the Triton base-L kernel reads group values of at most 24 bits, not {weight.base_b}")
-            self.kind = "affine"
             stored = weight.stored()  # the stored layout, not the CPU kernels' tile copy
-            self.codes = dev(stored["codes"])
-            self.scale = dev(stored["scale"].reshape(self.shape[0], -1).astype(np.float32))
-            self.offset = (dev(stored["offset"].reshape(self.shape[0], -1).astype(np.float32)) if "offset" in stored
-                           else self.scale)
+            per_word = 32 // weight.bits
+            wpg = weight.group // per_word
+            if (weight.base_g == 0 and weight.bits in (8, 4, 2) and weight.group % per_word == 0
+                    and wpg & (wpg - 1) == 0 and wpg <= 64):
+                self.kind = "affine-words"  # 8-row tiles of 32-bit words
+                words, scale, offset = affine_words(stored["codes"], stored["scale"], stored.get("offset"),
+                                                    weight.bits, *self.shape, weight.group)
+                self.codes, self.scale = dev(words.view(np.int32)), dev(scale)
+                self.offset = self.scale if offset is None else dev(offset)
+                self.wpg, self.nwords = wpg, words.shape[1]
+            else:  # other widths and groups, base-L: the stored stream
+                self.kind = "affine"
+                self.codes = dev(stored["codes"])
+                self.scale = dev(stored["scale"].reshape(self.shape[0], -1).astype(np.float32))
+                self.offset = (dev(stored["offset"].reshape(self.shape[0], -1).astype(np.float32))
+                               if "offset" in stored else self.scale)
         elif isinstance(weight, LeechWeight):
             self.kind = "leech"
             rows, cols = self.shape[0], weight.cols
@@ -395,6 +483,12 @@ class GpuWeight:
 
         rows, cols = self.shape
         w = self.cpu
+        if self.kind == "affine-words":
+            y = torch.empty(rows, dtype=torch.float32, device=x.device)
+            _affine_words_kernel[(triton.cdiv(rows, 8),)](
+                self.codes, self.scale, self.offset, x, y, rows, cols, self.nwords, -(-cols // w.group), w.levels,
+                0x4B000000, BITS=w.bits, WPG=self.wpg, BLOCK_W=self.AFFINE_W, SYMMETRIC=w.symmetric)
+            return y
         if self.kind == "affine":
             y = torch.empty(rows, dtype=torch.float32, device=x.device)
             _affine_kernel[(triton.cdiv(rows, self.BLOCK_R),)](
