@@ -192,7 +192,7 @@ if triton is not None:
         becomes a float without a shift or a conversion: masked in place and OR-ed into the mantissa of 2^23, it
         is 2^23 + u * 16^m exactly, and the input row it meets is stored times 16^-m (`_rht_kernel`). `magic` is
         that exponent, 0x4B000000, passed as an argument so that it sits in a register and the mask and the OR are
-        one LOP3 (as a literal, ptxas spent a second instruction on them: 5.3 instructions a coordinate, not 4.5).
+        one LOP3 (as a literal, ptxas spent a second instruction on them: 5.3 instructions a coordinate, not 4.4).
         Per row: sum x z = 2 sum u z - 16 sum z + sum_b p_b zb_b, with zb_b, block b's input sum, from the word sums."""
         tile = tl.program_id(0)
         split = tl.program_id(1)
