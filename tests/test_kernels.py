@@ -393,6 +393,32 @@ def test_half_to_float_exhaustive():
     assert np.array_equal(got[ok].view(np.uint32), expect[ok].view(np.uint32))
 
 
+def test_matvec_arguments(rng):
+    """x may be read-only, strided or another dtype (it is copied to contiguous float32); out must be a writable
+    float32 vector of the right length, else a clean ValueError before the kernel writes anything."""
+    from accel.kernels import kernel_weight
+    from accel.kernels.weights import ptr
+
+    entry, arrays = encode_tensor("w", rng.standard_normal((20, 64)), "affine", levels=4, group=32)
+    parts = _parts(entry, arrays)
+    kw = kernel_weight(entry, parts)
+    x = rng.standard_normal(128)
+    ref = reference_matvec(entry, parts, x[::2].astype(np.float32))
+    ro = x[::2].astype(np.float32)
+    ro.flags.writeable = False
+    for arg in (x[::2], ro):
+        assert _rel(kw.matvec(arg), ref) < 1e-5
+    frozen = np.zeros(20, dtype=np.float32)
+    frozen.flags.writeable = False
+    for bad in (frozen, np.zeros(19, dtype=np.float32), np.zeros(20, dtype=np.float64)):
+        with pytest.raises(ValueError):
+            kw.matvec(ro, bad)
+    assert not frozen.any()
+    assert ptr(ro) == ro.ctypes.data and ptr(frozen) == frozen.ctypes.data  # read-only arrays: the slow address
+    out = np.empty(20, dtype=np.float32)
+    assert ptr(out) == out.ctypes.data
+
+
 def test_unsupported_layouts_are_refused(rng):
     from accel.kernels import Unsupported, kernel_weight
 
