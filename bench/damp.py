@@ -1,7 +1,8 @@
 """DAMP against uniform recurrent-state quantization on the trained fixtures, decoding token by token.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/damp.py [--quick] [--fixtures tiny-gdn,tiny-kda] [--json]
-        [--arms 'int:9;damp:9.5,alloc=water'] [--windows N] [--stats DIR] [--text heldout|docstrings] [--batch B]
+        [--arms 'int:9;damp:9.5,alloc=water'] [--windows N] [--skip-windows N] [--stats DIR]
+        [--text heldout|docstrings] [--batch B]
 
 For each fixture: `accel calibrate --for state` on training text (windows of `accel.fixtures.corpus.train_text`),
 then every arm decodes the same held-out windows (`heldout_text`, never trained on) one token at a time through
@@ -163,7 +164,12 @@ def run_fixture(name: str, args) -> dict:
         calib_report = write_state_stats(Path(tmp), stats)
     calib_seconds = time.perf_counter() - started
     text = heldout_text() if args.text == "heldout" else docstring_text()
-    windows = token_windows(loaded.tokenizer, text, args.seq_len, args.windows)
+    windows = token_windows(loaded.tokenizer, text, args.seq_len, args.skip_windows + args.windows)
+    windows = windows[args.skip_windows:]
+    if len(windows) < args.windows:
+        raise SystemExit(f"error: the {args.text} text has {args.skip_windows + len(windows)} windows of "
+                         f"{args.seq_len} tokens, fewer than --skip-windows {args.skip_windows} + --windows "
+                         f"{args.windows}")
     d_v = stats["shape"].d_v
     arms = (QUICK_UNIFORM + QUICK_DAMP) if args.quick else (UNIFORM + damp_arms(d_v))
     if args.arms:
@@ -213,7 +219,7 @@ def run_fixture(name: str, args) -> dict:
                             "kl_diff": dk.mean, "kl_diff_ci": [dk.low, dk.high],
                             "kl_ratio": float(per_window[a][1].mean() / per_window[b][1].mean())})
     return {"fixture": name, "arch": stats["shape"].arch, "shape": stats["shape"].to_json(),
-            "windows": len(windows), "seq_len": args.seq_len, "text": args.text, "batch": args.batch,
+            "windows": len(windows), "skip_windows": args.skip_windows, "seq_len": args.seq_len, "text": args.text, "batch": args.batch,
             "calib_windows": len(calib_windows), "calib_seconds": calib_seconds,
             "calibration": {k: v for k, v in calib_report.items() if k not in ("plots",)}, "arms": rows,
             "matched": matched}
@@ -227,6 +233,8 @@ def main() -> None:
     parser.add_argument("--text", choices=("heldout", "docstrings"), default="heldout",
                         help="evaluation text: the held-out pydoc paragraphs (about 57 windows of 512) or the "
                              "standard library's docstrings (about 3,300 windows), both never trained on")
+    parser.add_argument("--skip-windows", type=int, default=0,
+                        help="start after this many windows of the text (a run on windows an earlier run did not use)")
     parser.add_argument("--batch", type=int, default=32,
                         help="windows decoded side by side (each through its own state; default 32)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per window (default 512; quick 128)")
