@@ -219,7 +219,8 @@ def run_fixture(name: str, args) -> dict:
                             "kl_diff": dk.mean, "kl_diff_ci": [dk.low, dk.high],
                             "kl_ratio": float(per_window[a][1].mean() / per_window[b][1].mean())})
     return {"fixture": name, "arch": stats["shape"].arch, "shape": stats["shape"].to_json(),
-            "windows": len(windows), "skip_windows": args.skip_windows, "seq_len": args.seq_len, "text": args.text, "batch": args.batch,
+            "windows": len(windows), "skip_windows": args.skip_windows, "seq_len": args.seq_len, "text": args.text,
+            "batch": args.batch,
             "calib_windows": len(calib_windows), "calib_seconds": calib_seconds,
             "calibration": {k: v for k, v in calib_report.items() if k not in ("plots",)}, "arms": rows,
             "matched": matched}
