@@ -313,6 +313,64 @@ def test_verify_lists_what_eval_refuses_beside_the_weights(capsys, rtn4, tmp_pat
     assert len(report["errors"]) == 1 and message in report["errors"][0], report["errors"]
 
 
+def test_accel_json_records_the_sha256_of_every_file_beside_the_containers(rtn4, tiny_llama, tmp_path):
+    import hashlib
+
+    from accel.quantize.pipeline import QuantizeSettings, quantize_model
+
+    files = json.loads((rtn4 / "accel.json").read_text())["files"]
+    assert set(files) == {p.name for p in rtn4.iterdir()} - {"accel.json", "model.safetensors"}
+    assert {"config.json", "tokenizer.json"} <= set(files)
+    assert all(files[n] == hashlib.sha256((rtn4 / n).read_bytes()).hexdigest() for n in files)
+    sharded = tmp_path / "sharded"  # the shard index is listed too, the shards are not
+    quantize_model(str(tiny_llama), sharded, QuantizeSettings(weights="rtn4", max_shard_bytes=4096), jobs=1)
+    listed = json.loads((sharded / "accel.json").read_text())["files"]
+    assert "model.safetensors.index.json" in listed and not any(n.endswith(".safetensors") for n in listed)
+
+
+def _flip_inside_a_json_string(path):
+    """A letter changed in the first string (key or value) after the first colon of a JSON file that has one: still
+    valid JSON, with other content."""
+    import re
+
+    text = path.read_text()
+    doc = json.loads(text)
+    string = next(m for m in re.finditer(r'"[^"\\]*"', text[text.index(":"):]) if re.search("[a-z]", m.group()))
+    at = text.index(":") + string.start() + re.search("[a-z]", string.group()).start()
+    path.write_text(text[:at] + ("x" if text[at] != "x" else "y") + text[at + 1:])
+    assert json.loads(path.read_text()) != doc
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda d: _flip_inside_a_json_string(d / "tokenizer.json"), "tokenizer.json: changed since quantize wrote it"),
+    (lambda d: _flip_inside_a_json_string(d / "generation_config.json"),
+     "generation_config.json: changed since quantize wrote it"),
+    (lambda d: (d / "generation_config.json").unlink(), "generation_config.json: missing (quantize wrote it"),
+    (_edit_json("accel.json", lambda m: m.update(files=["config.json"])), "accel.json: 'files' is not an object"),
+])
+def test_verify_checks_the_files_accel_json_recorded(capsys, rtn4, tmp_path, damage, message):
+    """A tokenizer or generation config changed after quantize (valid JSON, so no other check sees it) is a fault,
+    one line a file."""
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(rtn4, broken)
+    damage(broken)
+    code, out, _ = run(capsys, "verify", broken, "--json")
+    report = json.loads(out)
+    assert code == 1 and report["errors"] == [report["errors"][0]] and message in report["errors"][0], report
+
+
+def test_verify_of_an_output_written_before_files_were_recorded(capsys, rtn4, tmp_path):
+    import shutil
+
+    older = tmp_path / "older"
+    shutil.copytree(rtn4, older)
+    _edit_json("accel.json", lambda m: m.pop("files"))(older)
+    _flip_inside_a_json_string(older / "generation_config.json")  # nothing recorded it: not a fault
+    assert run_json(capsys, "verify", older)["ok"]
+
+
 def test_verify_of_an_intact_output_and_of_its_lone_container(capsys, rtn4):
     report = run_json(capsys, "verify", rtn4)
     assert report["ok"] and report["errors"] == [] and report["tensors"] == 21

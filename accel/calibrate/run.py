@@ -88,7 +88,8 @@ def calibrate(model: str, data: Path, out: Path, kinds: list[str], settings: Cal
               progress: Progress = SILENT) -> dict[str, Any]:
     """Run the requested kinds on MODEL over DATA into OUT; returns {out, for, windows, tokens, <kind>: report}."""
     from accel.eval.load import load_causal_lm
-    from accel.quantize.pipeline import file_sha256, model_files_sha256
+    from accel.formats.container import file_sha256
+    from accel.quantize.pipeline import model_files_sha256
 
     if not kinds:
         raise AccelError("--for is empty: choose from weights, kv, state")

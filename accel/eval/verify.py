@@ -11,6 +11,7 @@ import numpy as np
 from accel.errors import AccelError, FormatError
 from accel.eval.load import model_config
 from accel.formats.artifact import MANIFEST_FILE, Artifact
+from accel.formats.container import file_sha256
 from accel.progress import SILENT, Progress
 
 CONFIG_FILE = "config.json"
@@ -21,7 +22,8 @@ def verify_artifact(path: Path, reference: str | None = None, progress: Progress
 
     Faults: a stored tensor whose checksum or decode fails, or that decodes to NaN/Inf; maps that eval's loading
     refuses; for an OUT_DIR, a missing accel.json or config.json, a config that does not describe the stored
-    tensors, missing tokenizer files; with a reference, tensors that differ in name or shape. A path that does not
+    tensors, missing tokenizer files, a file that differs from the SHA-256 accel.json recorded; with a reference,
+    tensors that differ in name or shape. A path that does not
     exist is a usage error (AccelError)."""
     path = Path(path)
     if not path.exists():
@@ -114,8 +116,9 @@ def map_faults(art: Artifact) -> list[str]:
 
 
 def directory_faults(art: Artifact) -> list[str]:
-    """An OUT_DIR's accel.json, config.json and tokenizer files (docs/format.md §6): present, JSON objects, and the
-    config describing the stored tensors."""
+    """An OUT_DIR's accel.json, config.json and tokenizer files (docs/format.md §6): present, JSON objects, the
+    config describing the stored tensors, and every file accel.json's `files` lists with the SHA-256 recorded when
+    quantize wrote it."""
     faults = []
     if art.manifest is None:
         faults.append(f"{MANIFEST_FILE}: missing")
@@ -128,6 +131,27 @@ def directory_faults(art: Artifact) -> list[str]:
     else:
         faults.extend(config_faults(art, model_config(art)))
     faults.extend(tokenizer_faults(art))
+    if isinstance(art.manifest, dict):  # one line a file: a file named above is not listed again
+        reported = {f.split(":", 1)[0] for f in faults}
+        faults.extend(f for f in recorded_file_faults(art) if f.split(":", 1)[0] not in reported)
+    return faults
+
+
+def recorded_file_faults(art: Artifact) -> list[str]:
+    """The files accel.json's `files` lists (name → SHA-256, written by quantize since 2026-12-06; older outputs
+    have none and are checked as before): each present, with its recorded SHA-256."""
+    files = art.manifest.get("files")
+    if files is None:
+        return []
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        return [f"{MANIFEST_FILE}: 'files' is not an object of file name to SHA-256"]
+    faults = []
+    for name, recorded in sorted(files.items()):
+        path = art.root / name
+        if Path(name).name != name or not path.is_file():
+            faults.append(f"{name}: missing (quantize wrote it; {MANIFEST_FILE} lists it)")
+        elif file_sha256(path) != recorded:
+            faults.append(f"{name}: changed since quantize wrote it (its SHA-256 differs from {MANIFEST_FILE}'s)")
     return faults
 
 

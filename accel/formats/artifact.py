@@ -11,7 +11,7 @@ import numpy as np
 
 from accel.errors import AccelError, FormatError
 from accel.formats.atomic import atomic_write_text
-from accel.formats.container import AccelFile, write_file
+from accel.formats.container import AccelFile, file_sha256, write_file
 from accel.formats.tensor import TensorEntry
 
 WEIGHTS_FILE = "model.safetensors"
@@ -20,6 +20,14 @@ MANIFEST_FILE = "accel.json"
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 
 Encoded = tuple[TensorEntry, dict[str, np.ndarray]]
+
+
+def sidecar_files_sha256(out_dir: Path) -> dict[str, str]:
+    """SHA-256 by name of an OUT_DIR's files besides its containers and accel.json (config, tokenizer files, the
+    shard index): what accel.json's `files` records when quantize writes them and `verify` checks (docs/format.md
+    §6). The containers are left out: each stored tensor has its own checksum in the container's document."""
+    return {p.name: file_sha256(p) for p in sorted(Path(out_dir).iterdir())
+            if p.is_file() and p.name != MANIFEST_FILE and not p.name.endswith(".safetensors")}
 
 
 def write_weights(out_dir: Path, encoded: list[Encoded], max_shard_bytes: int = DEFAULT_SHARD_BYTES,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import resource
 import time
@@ -16,8 +15,9 @@ import numpy as np
 from accel import __version__
 from accel.calibrate import CALIB_MANIFEST
 from accel.errors import AccelError
-from accel.formats.artifact import MANIFEST_FILE, Artifact, write_weights
+from accel.formats.artifact import MANIFEST_FILE, Artifact, sidecar_files_sha256, write_weights
 from accel.formats.atomic import atomic_write_text, check_output_dir, output_dir
+from accel.formats.container import file_sha256
 from accel.formats.layouts import get_layout
 from accel.formats.tensor import decode_parts, encode_tensor
 from accel.progress import SILENT, Progress
@@ -37,14 +37,6 @@ class QuantizeSettings:
     state: str | None = None  # --state METHOD[:ARG]
     tune_steps: int = 0  # --tune-steps: leech row scales refit by KL on the calibration windows (leech_tune)
     max_shard_bytes: int = 2 * 1024**3
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def model_files_sha256(files: list[Path]) -> dict[str, str]:
@@ -201,6 +193,7 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
                 "producer": f"accel {__version__}",
                 "source": str(model),
                 "inputs": hashes | model_files_sha256([c / CALIB_MANIFEST for c in calib]),
+                "files": sidecar_files_sha256(tmp),
                 "settings": asdict(settings),
                 "tensors": summary,
                 "maps": {kind: {"method": m.method, "params": m.params} for kind, m in maps.items()},
