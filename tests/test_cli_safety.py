@@ -152,6 +152,13 @@ def test_a_calibration_of_other_weights_with_the_same_shapes_is_refused(capsys, 
     code, _, err = run(capsys, "quantize", twin, "--weights", "gptq4", "--calib", calib, "--out", tmp_path / "x")
     assert_one_line_error(code, err, 2, "was recorded on a different model: its sha256 of model.safetensors differs")
     assert run(capsys, "quantize", model, "--weights", "gptq4", "--calib", calib, "--out", tmp_path / "y")[0] == 0
+    manifest = calib / "calibration.json"
+    for damaged, message in [(manifest.read_bytes()[:-40], "calibration.json cannot be read (JSONDecodeError)"),
+                             (b"[1, 2]", "calibration.json is not a JSON object")]:
+        manifest.write_bytes(damaged)  # the model check must not be skipped quietly
+        code, _, err = run(capsys, "quantize", model, "--weights", "gptq4", "--calib", calib, "--out", tmp_path / "z")
+        assert_one_line_error(code, err, 2, message)
+        assert not (tmp_path / "z").exists()
 
 
 def test_data_and_calib_that_are_not_what_they_should_be_are_named(capsys, model, tmp_path):

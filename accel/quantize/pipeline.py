@@ -45,11 +45,20 @@ def model_files_sha256(files: list[Path]) -> dict[str, str]:
 
 
 def check_calibration_model(calib: Path, files_sha256: dict[str, str]) -> None:
-    """Refuse a calibration recorded on other model files (older calibrations record none and are not checked)."""
+    """Refuse a calibration recorded on other model files (older calibrations record none and are not checked), and
+    one whose manifest is there but damaged (not a JSON object), which would otherwise skip that check."""
+    path = Path(calib) / CALIB_MANIFEST
+    if not path.is_file():
+        return  # a directory that is no calibration at all is refused by the Hessian or map reader that needs it
     try:
-        recorded = json.loads((Path(calib) / CALIB_MANIFEST).read_text(encoding="utf-8")).get("model_sha256")
-    except (OSError, ValueError, AttributeError):
-        return  # a missing or unreadable manifest is reported by the map or Hessian reader that needs it
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise AccelError(f"--calib {calib}: {CALIB_MANIFEST} cannot be read ({type(exc).__name__}); the calibration "
+                         f"is damaged: run accel calibrate again") from None
+    if not isinstance(doc, dict):
+        raise AccelError(f"--calib {calib}: {CALIB_MANIFEST} is not a JSON object; the calibration is damaged: run "
+                         f"accel calibrate again")
+    recorded = doc.get("model_sha256")
     if isinstance(recorded, dict) and recorded and recorded != files_sha256:
         differ = sorted(n for n in set(recorded) | set(files_sha256) if recorded.get(n) != files_sha256.get(n))
         raise AccelError(f"--calib {calib} was recorded on a different model: its sha256 of {', '.join(differ)} "
