@@ -276,6 +276,20 @@ def test_interpreter_matches_the_pytorch_reference_for_every_encoding(packages, 
     assert report["weight_rel_error"] < WEIGHT_ERROR_BOUND[enc]
 
 
+@pytest.mark.parametrize("context,calls", [
+    (8, ["prefill"] + [f"decode[{i}] from an empty cache" for i in range(3)]),
+    (10, ["prefill", "decode[0]", "decode[1]", "decode[0] from an empty cache"]),
+])
+def test_verify_of_a_prefill_that_fills_the_context_decodes_inside_it(untied, tmp_path, context, calls):
+    """Decode steps after an 8-token prefill stay inside the cache (they once ran past it: an index error); the
+    steps that do not fit run from an empty cache, compared with the reference's first positions."""
+    pkg = tmp_path / "full.mlpackage"
+    export_ane(untied, pkg, ExportSettings(encoding="int8", context=context, prefill=8, naive=False))
+    report = verify_package(pkg, str(untied), steps=3)
+    assert report["ok"], report["errors"]
+    assert [c["call"] for c in report["calls"]] == calls and report["max_rel_error"] < 5e-3
+
+
 def test_verify_catches_a_package_that_is_not_the_reference(packages, tmp_path):
     other = make_llama(tmp_path / "other", seed=7)
     report = verify_package(packages["fp16"], str(other), steps=1)
@@ -500,10 +514,50 @@ def test_cli_verify_and_inspect_reject_a_broken_package(capsys, packages, tmp_pa
     (broken / "Data/com.apple.CoreML/model.mlmodel").write_bytes(b"not a protobuf")
     code, out, _ = run_cli(capsys, "verify", broken, "--json")
     doc = json.loads(out)
+    changed = "Data/com.apple.CoreML/model.mlmodel: changed since export wrote it (its SHA-256 differs from the manifest's)"
+    assert code == 1 and doc["errors"] == [changed]
+    manifest_path = broken / "Data/com.github.accel/accel-manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["files"]  # as packages exported before the hashes were recorded: the program reader finds it
+    manifest_path.write_text(json.dumps(manifest))
+    code, out, _ = run_cli(capsys, "verify", broken, "--json")
+    doc = json.loads(out)
     assert code == 1 and not doc["ok"] and "cannot read the Core ML program" in doc["errors"][0]
-    (broken / "Data/com.github.accel/accel-manifest.json").write_text("{")
+    manifest_path.write_text("{")
     code, _, err = run_cli(capsys, "inspect", broken)
     one_line_error(code, err, "not valid JSON")
+
+
+def test_verify_checks_every_file_of_the_package_against_the_manifest(capsys, packages, tmp_path):
+    """A weight, the placement report or the probe harness changed after export still interprets (the weights
+    are the reference's too), so only the recorded SHA-256s see it; a damaged manifest is named, not a traceback."""
+    import shutil
+
+    fine = tmp_path / "fine.mlpackage"
+    shutil.copytree(packages["int8"], fine)
+    recorded = read_manifest(fine)["files"]
+    assert set(recorded) == {"com.apple.CoreML/model.mlmodel", "com.apple.CoreML/weights/weight.bin",
+                             "com.github.accel/placement.json", "com.github.accel/probe_harness.py"}
+    for name, damage, message in [
+        ("com.apple.CoreML/weights/weight.bin", lambda p: p.write_bytes(p.read_bytes()[:-1] + b"\x01"), "changed"),
+        ("com.github.accel/probe_harness.py", lambda p: p.write_text(p.read_text() + "#"), "changed"),
+        ("com.github.accel/placement.json", lambda p: p.unlink(), "missing (export wrote it"),
+        ("com.github.accel/notes.txt", lambda p: p.write_text("x"), "not written by export"),
+    ]:
+        broken = tmp_path / f"{name.replace('/', '-')}.mlpackage"
+        shutil.copytree(fine, broken)
+        damage(broken / "Data" / name)
+        code, out, _ = run_cli(capsys, "verify", broken, "--json")
+        doc = json.loads(out)
+        assert code == 1 and len(doc["errors"]) == 1 and doc["errors"][0].startswith(f"Data/{name}: {message}")
+    manifest_path = fine / "Data/com.github.accel/accel-manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    del next(iter(manifest["weights"].values()))["mil_name"]
+    manifest_path.write_text(json.dumps(manifest))
+    code, _, err = run_cli(capsys, "inspect", fine)
+    one_line_error(code, err, "accel-manifest.json is damaged: weight ")
+    code, out, _ = run_cli(capsys, "verify", fine, "--json")
+    assert code == 1 and "accel-manifest.json is damaged: weight " in json.loads(out)["errors"][0]
 
 
 def test_sweep_emits_variants_predictions_and_a_runner(tmp_path):

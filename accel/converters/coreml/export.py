@@ -34,7 +34,7 @@ from accel.converters.coreml.ane_llama import (
     llama_dims,
 )
 from accel.converters.coreml.encodings import EncodedWeight, encoding_names, get_encoding
-from accel.errors import AccelError
+from accel.errors import AccelError, FormatError
 from accel.progress import SILENT, Progress
 
 PACKAGE_SUFFIX = ".mlpackage"
@@ -121,7 +121,6 @@ class WeightSource:
         """(codec, params, codes, side parts) of a quantized OUT_DIR tensor; None for float tensors."""
         if self.artifact is None or name not in self.artifact.owner:
             return None
-        from accel.errors import FormatError
         from accel.formats.codecs import get_codec
         from accel.formats.layouts import get_layout
 
@@ -587,41 +586,90 @@ def canonicalize_package(package: Path) -> None:
     manifest_path.write_text(json.dumps(doc, indent=4, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def read_package_item(package: Path, name: str) -> bytes:
-    """The bytes of one accel item of a package (found through the package manifest)."""
-    from accel.errors import FormatError
-
+def package_item_path(package: Path, name: str) -> Path:
+    """Where one accel item of a package lies (found through the package manifest)."""
     package = Path(package)
     manifest_path = package / "Manifest.json"
     try:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
         entries = manifest["itemInfoEntries"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        for entry in entries.values():
+            if entry.get("author") == ACCEL_AUTHOR and entry.get("name") == name:
+                path = (package / "Data" / entry["path"]).resolve()
+                break
+        else:
+            raise FormatError(f"{package}: no accel item {name!r} (not a package written by accel export-ane)")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise FormatError(f"{package}: not a Core ML package (unreadable Manifest.json: {exc})") from None
-    for entry in entries.values():
-        if entry.get("author") == ACCEL_AUTHOR and entry.get("name") == name:
-            path = (package / "Data" / entry["path"]).resolve()
-            if package.resolve() not in path.parents:
-                raise FormatError(f"{package}: item {name!r} points outside the package")
-            try:
-                return path.read_bytes()
-            except OSError as exc:
-                raise FormatError(f"{package}: item {name!r} is missing ({exc.strerror})") from None
-    raise FormatError(f"{package}: no accel item {name!r} (not a package written by accel export-ane)")
+    if package.resolve() not in path.parents:
+        raise FormatError(f"{package}: item {name!r} points outside the package")
+    return path
+
+
+def read_package_item(package: Path, name: str) -> bytes:
+    """The bytes of one accel item of a package (found through the package manifest)."""
+    try:
+        return package_item_path(package, name).read_bytes()
+    except OSError as exc:
+        raise FormatError(f"{package}: item {name!r} is missing ({exc.strerror})") from None
+
+
+def package_files_sha256(package: Path) -> dict[str, str]:
+    """SHA-256 of every file under the package's Data/ but the accel manifest, by path relative to Data/: what the
+    manifest's `files` records and `accel verify` checks (the model spec, the weight file, accel's other items)."""
+    from accel.formats.container import file_sha256
+
+    data = Path(package) / "Data"
+    files = sorted(p for p in data.rglob("*") if p.is_file() and p.name != MANIFEST_ITEM)
+    return {p.relative_to(data).as_posix(): file_sha256(p) for p in files}
 
 
 def read_manifest(package: Path) -> dict[str, Any]:
-    from accel.errors import FormatError
-
+    """The package's accel manifest, its fields checked (manifest_problem) before anything reads them."""
     try:
         doc = json.loads(read_package_item(package, MANIFEST_ITEM))
-    except ValueError:
+    except ValueError:  # UnicodeDecodeError included
         raise FormatError(f"{package}: {MANIFEST_ITEM} is not valid JSON") from None
     if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
         raise FormatError(f"{package}: {MANIFEST_ITEM} is not an accel-ane manifest")
-    if int(doc.get("version", 0)) > MANIFEST_VERSION:
-        raise FormatError(f"{package}: manifest version {doc.get('version')} is newer than this accel reads")
+    if not isinstance(doc.get("version", 0), int) or doc.get("version", 0) > MANIFEST_VERSION:
+        raise FormatError(f"{package}: manifest version {doc.get('version')!r} is newer than this accel reads")
+    problem = manifest_problem(doc)
+    if problem:
+        raise FormatError(f"{package}: {MANIFEST_ITEM} is damaged: {problem}")
     return doc
+
+
+def manifest_problem(doc: dict[str, Any]) -> str | None:
+    """The first field of an accel-ane manifest that is missing or of the wrong type (None when all are right):
+    the fields inspect, verify and probe report read."""
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def pair(v: Any) -> bool:
+        return isinstance(v, list) and len(v) == 2 and all(is_int(x) for x in v)
+
+    for key, ok in [("encoding", lambda v: isinstance(v, str)), ("architecture", lambda v: isinstance(v, str)),
+                    ("source", lambda v: isinstance(v, str)), ("context", is_int), ("nominal_bits", is_int),
+                    ("outputs", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
+                    ("functions", lambda v: isinstance(v, dict) and all(
+                        isinstance(v.get(f), dict) and is_int(v[f].get("seq")) for f in ("prefill", "decode"))),
+                    ("dims", lambda v: isinstance(v, dict) and all(is_int(v.get(k)) for k in (
+                        "vocab", "hidden", "layers", "heads", "kv_heads", "head_dim", "params"))),
+                    ("predicted", lambda v: isinstance(v, dict) and all(
+                        is_int(v.get(k)) for k in ("weight_bytes_per_token", "kv_bytes_per_token"))),
+                    ("weights", lambda v: isinstance(v, dict))]:
+        if key not in doc or not ok(doc[key]):
+            return f"'{key}' is missing or not what export writes"
+    for name, info in doc["weights"].items():
+        if not (isinstance(info, dict) and all(isinstance(info.get(k), str) for k in ("mil_name", "source", "from"))
+                and info.get("kind") in ("lut", "shift_scale", "const") and pair(info.get("shape"))
+                and (info.get("rows") is None or pair(info.get("rows"))) and is_int(info.get("storage_bytes"))):
+            return f"weight '{name}' is missing a field or holds one of the wrong type"
+    files = doc.get("files", {})
+    if not (isinstance(files, dict) and all(isinstance(v, str) for v in files.values())):
+        return "'files' is not an object of path to SHA-256"
+    return None
 
 
 # --------------------------------------------------------------------------------------------------- export
@@ -693,6 +741,9 @@ def export_ane(model: str | Path, out: Path, settings: ExportSettings, force: bo
         with output_dir(out, force, inputs) as tmp:
             shutil.copytree(mlmodel.package_path, tmp, dirs_exist_ok=True)
             canonicalize_package(tmp)
+            manifest["files"] = package_files_sha256(tmp)  # the final bytes: after canonicalization
+            package_item_path(tmp, MANIFEST_ITEM).write_bytes(
+                (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
         shutil.rmtree(mlmodel.package_path, ignore_errors=True)
         progress.advance()
         progress.close()
@@ -738,13 +789,23 @@ def is_package(path: Path) -> bool:
 def inspect_package(package: Path) -> dict[str, Any]:
     """The package's manifest and placement report, in the shape of `accel inspect --json` (tensors, bytes,
     bits_per_weight over the encoded matrices) plus the ANE fields."""
-    from accel.converters.coreml.placement import PlacementReport
-
     package = Path(package)
     if not package.is_dir():
         raise AccelError(f"{package}: no such package directory")
     manifest = read_manifest(package)
-    placement = json.loads(read_package_item(package, PLACEMENT_ITEM))
+    try:
+        placement = json.loads(read_package_item(package, PLACEMENT_ITEM))
+    except ValueError:  # UnicodeDecodeError included
+        raise FormatError(f"{package}: {PLACEMENT_ITEM} is not valid JSON") from None
+    try:
+        return _package_summary(package, manifest, placement)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:  # valid JSON, not the report export wrote
+        raise FormatError(f"{package}: {PLACEMENT_ITEM} is damaged ({type(exc).__name__}: {exc})") from None
+
+
+def _package_summary(package: Path, manifest: dict[str, Any], placement: dict[str, Any]) -> dict[str, Any]:
+    from accel.converters.coreml.placement import PlacementReport
+
     tensors = []
     for pname, info in sorted(manifest["weights"].items()):
         rows = info["rows"]

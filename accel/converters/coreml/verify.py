@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from accel.converters.coreml.ane_llama import llama_dims, logits_from_pieces
-from accel.converters.coreml.export import WeightSource, read_manifest
+from accel.converters.coreml.export import WeightSource, package_files_sha256, read_manifest
 from accel.converters.coreml.mil_interp import SUPPORTED_OPS, Interpreter
 from accel.errors import AccelError, FormatError
 from accel.progress import SILENT, Progress
@@ -37,20 +37,49 @@ def verify_package(package: Path, reference: str | None = None, steps: int = DEF
     errors: list[str] = []
     try:
         manifest = read_manifest(package)
+        errors += file_errors(package, manifest)
+        if errors:  # nothing is interpreted from files that are not what export wrote
+            return {"ok": False, "errors": errors, "package": str(package)}
         interp = Interpreter.from_package(package)
     except FormatError as exc:
         return {"ok": False, "errors": [str(exc)], "package": str(package)}
-    errors += structure_errors(manifest, interp)
+    return _verify(package, manifest, interp, reference, steps, seed, progress)
+
+
+def file_errors(package: Path, manifest: dict[str, Any]) -> list[str]:
+    """The package's files against the SHA-256s its manifest recorded (`files`; packages exported before
+    2026-12-06 have none): one line a missing, changed or unlisted file."""
+    recorded = manifest.get("files")
+    if recorded is None:
+        return []
+    found = package_files_sha256(package)
+    errors = [f"Data/{name}: missing (export wrote it; the manifest lists it)" for name in sorted(recorded)
+              if name not in found]
+    errors += [f"Data/{name}: changed since export wrote it (its SHA-256 differs from the manifest's)"
+               for name in sorted(recorded) if name in found and found[name] != recorded[name]]
+    errors += [f"Data/{name}: not written by export (the manifest does not list it)" for name in sorted(found)
+               if name not in recorded]
+    return errors
+
+
+def _verify(package: Path, manifest: dict[str, Any], interp: Interpreter, reference: str | None, steps: int,
+            seed: int, progress: Progress) -> dict[str, Any]:
+    errors = structure_errors(manifest, interp)
     report: dict[str, Any] = {"package": str(package), "encoding": manifest.get("encoding"),
                               "functions": interp.functions}
     if errors:
         return {**report, "ok": False, "errors": errors}
     seq = int(manifest["functions"]["prefill"]["seq"])
+    # decode steps after the prefill stay inside the cache; a prefill that fills it (prefill = context) leaves none,
+    # and the decode function is then run from an empty cache instead (positions 0, 1, ...)
+    after = max(0, min(steps, int(manifest.get("context", seq + steps)) - seq))
     rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, int(manifest["dims"]["vocab"]), size=seq + steps)
+    tokens = rng.integers(0, int(manifest["dims"]["vocab"]), size=seq + after)
     progress.stage("interpreting the package", 1 + steps)
-    calls = run_interpreter(interp, tokens, seq, steps, progress)
-    bad = [f"{name}: non-finite logits" for name, logits in calls if not np.all(np.isfinite(logits))]
+    calls = run_interpreter(interp, tokens, seq, after, progress)
+    if after < steps:
+        calls += run_decode_from_empty(interp, tokens, min(steps - after, len(tokens)), progress)
+    bad = [f"{name}: non-finite logits" for name, _, logits in calls if not np.all(np.isfinite(logits))]
     errors += bad
     if reference is None:
         return {**report, "ok": not errors, "errors": errors, "calls": len(calls)}
@@ -61,10 +90,8 @@ def verify_package(package: Path, reference: str | None = None, steps: int = DEF
     finally:
         source.close()
     results = []
-    offset = 0
-    for name, logits in calls:
-        want = ref_logits[offset:offset + logits.shape[0]]
-        offset += logits.shape[0]
+    for name, start, logits in calls:
+        want = ref_logits[start:start + logits.shape[0]]
         rel = float(np.abs(logits - want).max() / max(np.abs(want).max(), 1e-6))
         top1 = float(np.mean(logits.argmax(-1) == want.argmax(-1)))
         results.append({"call": name, "tokens": int(logits.shape[0]), "rel_error": rel, "top1_agreement": top1})
@@ -99,19 +126,33 @@ def structure_errors(manifest: dict[str, Any], interp: Interpreter) -> list[str]
 
 
 def run_interpreter(interp: Interpreter, tokens: np.ndarray, seq: int, steps: int,
-                    progress: Progress = SILENT) -> list[tuple[str, np.ndarray]]:
-    """Prefill `seq` tokens, then decode `steps` more one at a time, sharing one state; logits per call."""
+                    progress: Progress = SILENT) -> list[tuple[str, int, np.ndarray]]:
+    """Prefill `seq` tokens, then decode `steps` more one at a time, sharing one state; per call its name, the
+    position of its first token and its logits."""
     state = interp.new_state("prefill")
     out = interp.run("prefill", {"input_ids": tokens[None, :seq], "position_ids": np.arange(seq)[None]}, state)
-    calls = [("prefill", logits_from_pieces(_pieces(out)))]
+    calls = [("prefill", 0, logits_from_pieces(_pieces(out)))]
     progress.advance()
     for i in range(steps):
-        pos = seq + i
-        out = interp.run("decode", {"input_ids": tokens[None, pos:pos + 1], "position_ids": np.array([[pos]])},
-                         state)
-        calls.append((f"decode[{i}]", logits_from_pieces(_pieces(out))))
+        calls.append((f"decode[{i}]", seq + i, _decode(interp, tokens, seq + i, state)))
         progress.advance()
     return calls
+
+
+def run_decode_from_empty(interp: Interpreter, tokens: np.ndarray, steps: int,
+                          progress: Progress = SILENT) -> list[tuple[str, int, np.ndarray]]:
+    """Decode tokens 0 .. steps - 1 one at a time from an empty cache (as run_interpreter returns them)."""
+    state = interp.new_state("decode")
+    calls = []
+    for pos in range(steps):
+        calls.append((f"decode[{pos}] from an empty cache", pos, _decode(interp, tokens, pos, state)))
+        progress.advance()
+    return calls
+
+
+def _decode(interp: Interpreter, tokens: np.ndarray, pos: int, state: dict[str, np.ndarray]) -> np.ndarray:
+    out = interp.run("decode", {"input_ids": tokens[None, pos:pos + 1], "position_ids": np.array([[pos]])}, state)
+    return logits_from_pieces(_pieces(out))
 
 
 def _pieces(outputs: dict[str, np.ndarray]) -> list[np.ndarray]:
