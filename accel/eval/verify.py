@@ -23,8 +23,7 @@ def verify_artifact(path: Path, reference: str | None = None, progress: Progress
     Faults: a stored tensor whose checksum or decode fails, or that decodes to NaN/Inf; maps that eval's loading
     refuses; for an OUT_DIR, a missing accel.json or config.json, a config that does not describe the stored
     tensors, missing tokenizer files, a file that differs from the SHA-256 accel.json recorded; with a reference,
-    tensors that differ in name or shape. A path that does not
-    exist is a usage error (AccelError)."""
+    tensors that differ in name or shape. A path that does not exist is a usage error (AccelError)."""
     path = Path(path)
     if not path.exists():
         raise AccelError(f"{path}: no such file or directory")
