@@ -166,6 +166,10 @@ def test_malformed_captures_are_named_errors(fixture, message):
     (lambda c: c["counters"]["active"].update(write_bytes="many"), "write_bytes is missing or not"),
     (lambda c: c["run"].update(steps=True), "steps is missing or not an integer"),
     (lambda c: c.update(format="something"), "not an accel ANE capture"),
+    # found by a fuzz of the recorded captures (2026-12-06): each was a traceback in probe report
+    (lambda c: c.update(package=True), "package must be an object"),
+    (lambda c: c.update(errors=-1), "errors must be a list"),
+    (lambda c: c["compute_plan"]["functions"]["decode"][0].update(outputs={"a": 1}), "outputs must be a list"),
 ])
 def test_capture_fields_are_validated(tmp_path, mutate, message):
     capture = json.loads((FIXTURES / "capture_amc.json").read_text())

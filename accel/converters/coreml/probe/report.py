@@ -87,6 +87,14 @@ def load_capture(path: Path) -> Capture:
         if not isinstance(ops, list) or not all(isinstance(o, dict) and isinstance(o.get("op"), str)
                                                 for o in ops):
             raise FormatError(f"{path}: compute_plan.functions.{fname} must be a list of ops with an 'op' name")
+        if not all(isinstance(o.get("outputs", []), list) and all(isinstance(v, str) for v in o.get("outputs", []))
+                   for o in ops):
+            raise FormatError(f"{path}: compute_plan.functions.{fname}: an op's outputs must be a list of names")
+    package = doc.get("package", {})
+    if not isinstance(package, dict) or not isinstance(package.get("manifest_sha256", ""), (str, type(None))):
+        raise FormatError(f"{path}: capture field package must be an object (manifest_sha256 a string)")
+    if not isinstance(doc.get("errors", []), list):
+        raise FormatError(f"{path}: capture field errors must be a list")
     return Capture(doc)
 
 
