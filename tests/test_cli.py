@@ -390,7 +390,7 @@ def test_verify_names_a_planes_tensor_that_holds_no_lattice_points(capsys, leech
     import hashlib
     import shutil
 
-    from test_container import _rewrite, _split
+    from test_container import _rewrite, _set_doc, _split
 
     broken = tmp_path / "broken"
     shutil.copytree(leech_planes, broken)
@@ -401,7 +401,7 @@ def test_verify_names_a_planes_tensor_that_holds_no_lattice_points(capsys, leech
     doc = json.loads(header["__metadata__"]["accel"])
     assert doc["tensors"][name]["layout"] == "planes"
     doc["checksums"][f"{name}:codes"] = hashlib.sha256(data[start:end]).hexdigest()
-    header["__metadata__"]["accel"] = json.dumps(doc)
+    _set_doc(header, doc)
     _rewrite(broken / "model.safetensors", header, data)
     code, out, _ = run(capsys, "verify", broken, "--json")
     report = json.loads(out)

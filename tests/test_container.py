@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 
@@ -39,11 +40,19 @@ def _rewrite(path, header, data):
     path.write_bytes(struct.pack("<Q", len(head)) + head + data)
 
 
+def _set_doc(header, doc):
+    """Put a (changed) document into a header as a writer would, its SHA-256 with it: the tests of the document's
+    validation go past the hash check, which alone would refuse every change."""
+    text = json.dumps(doc)
+    header["__metadata__"]["accel"] = text
+    header["__metadata__"]["accel_sha256"] = hashlib.sha256(text.encode()).hexdigest()
+
+
 def _rewrite_doc(path, mutate):
     header, data = _split(path)
     doc = json.loads(header["__metadata__"]["accel"])
     mutate(doc)
-    header["__metadata__"]["accel"] = json.dumps(doc)
+    _set_doc(header, doc)
     _rewrite(path, header, data)
 
 
@@ -88,6 +97,23 @@ def test_header_offset_past_end_is_refused(tmp_path, rng):
     _rewrite(path, header, data)
     with pytest.raises(FormatError, match="a.weight:codes.*past the end"):
         AccelFile(path)
+
+
+def test_a_document_changed_after_writing_is_refused_and_one_without_its_hash_is_read(tmp_path, rng):
+    """A digit of a parameter (a Leech seed, say) changed in the header is valid JSON and a valid value: only the
+    document's own SHA-256 sees it. Files written before the hash was recorded have none and read as before."""
+    path = _write(tmp_path / "t.safetensors", rng)
+    header, data = _split(path)
+    text = header["__metadata__"]["accel"]
+    assert header["__metadata__"]["accel_sha256"] == hashlib.sha256(text.encode()).hexdigest()
+    header["__metadata__"]["accel"] = text.replace('"version":2', '"version":1')
+    _rewrite(path, header, data)
+    with pytest.raises(FormatError, match="SHA-256 differs from accel_sha256 .it was changed after it was written"):
+        AccelFile(path)
+    del header["__metadata__"]["accel_sha256"]
+    header["__metadata__"]["accel"] = text
+    _rewrite(path, header, data)
+    assert AccelFile(path).doc["version"] == 2
 
 
 def test_flipped_byte_in_any_stored_tensor_is_named(tmp_path, rng):
@@ -168,7 +194,7 @@ def test_random_document_mutations_fail_only_as_format_errors(tmp_path, rng):
             del target[at[-1]]
         else:
             target[at[-1]] = pick.choice(values)
-        header["__metadata__"]["accel"] = json.dumps(mutated)
+        _set_doc(header, mutated)
         _rewrite(path, header, data)
         try:
             f = AccelFile(path)

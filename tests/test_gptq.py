@@ -188,6 +188,8 @@ def test_a_damaged_hessian_table_is_refused_in_one_line(tiny_llama, text_file, t
     import json
     import struct
 
+    from test_container import _set_doc
+
     from accel.calibrate.hessians import HESSIAN_DIR, HessianStore
     from accel.cli.main import main
     from accel.errors import AccelError
@@ -201,7 +203,7 @@ def test_a_damaged_hessian_table_is_refused_in_one_line(tiny_llama, text_file, t
     header = json.loads(raw[8:8 + n])
     doc = json.loads(header["__metadata__"]["accel"])
     doc["hessians"] = table
-    header["__metadata__"]["accel"] = json.dumps(doc)
+    _set_doc(header, doc)
     head = json.dumps(header).encode()
     path.write_bytes(struct.pack("<Q", len(head)) + head + raw[8 + n:])
     with pytest.raises(AccelError, match="is damaged"):

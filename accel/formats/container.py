@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import mmap
 import struct
 from pathlib import Path
@@ -23,6 +24,8 @@ from accel.formats.tensor import TensorEntry, decode_parts, storage_dtype_of
 FORMAT_NAME = "accel"
 FORMAT_VERSION = 2
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+# __metadata__ key of the document's SHA-256 (hex, of its UTF-8 bytes); written since 2026-12-06, checked when present
+DOC_SHA256_KEY = "accel_sha256"
 _ALIGN = 8
 
 
@@ -69,7 +72,8 @@ def write_file(path: Path, entries: list[TensorEntry], arrays: dict[str, np.ndar
            "checksums": checksums}
     if extra:
         doc.update(extra)
-    header["__metadata__"] = {"format": "pt", FORMAT_NAME: json.dumps(doc, sort_keys=True, separators=(",", ":"))}
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
+    header["__metadata__"] = {"format": "pt", FORMAT_NAME: text, DOC_SHA256_KEY: sha256_hex(text.encode())}
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-(len(head)) % _ALIGN)
 
@@ -122,15 +126,15 @@ class AccelFile:
                 dtype, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
             except (KeyError, TypeError, ValueError):
                 raise self._fail(f"tensor '{name}': malformed header entry") from None
-            if dtype not in NUMPY_OF:
+            if not isinstance(dtype, str) or dtype not in NUMPY_OF:
                 raise self._fail(f"tensor '{name}': unknown dtype {dtype!r}")
-            if not all(isinstance(d, int) and d >= 0 for d in shape) or not all(
-                    isinstance(v, int) for v in (start, end)):
+            if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape) or not all(
+                    isinstance(v, int) and not isinstance(v, bool) for v in (start, end)):
                 raise self._fail(f"tensor '{name}': malformed shape or offsets")
             if not 0 <= start <= end <= data_size:
                 raise self._fail(f"tensor '{name}': data offsets [{start}, {end}] lie past the end of the file "
                                  f"(data section is {data_size} bytes; truncated?)")
-            if end - start != int(np.prod(shape, dtype=np.int64)) * NUMPY_OF[dtype].itemsize:
+            if end - start != math.prod(shape) * NUMPY_OF[dtype].itemsize:  # exact: no int64 overflow
                 raise self._fail(f"tensor '{name}': byte span does not match its shape {list(shape)} and {dtype}")
             self.stored[name] = (dtype, shape, data_start + start, data_start + end)
             spans.append((start, end, name))
@@ -144,8 +148,12 @@ class AccelFile:
             raise self._fail(f"{data_size - cursor} bytes after the last tensor (corrupt or truncated)")
         if not isinstance(meta, dict) or FORMAT_NAME not in meta:
             raise self._fail("not an accel file (no 'accel' document in __metadata__)")
+        text, recorded = meta[FORMAT_NAME], meta.get(DOC_SHA256_KEY)
+        if recorded is not None and (not isinstance(text, str) or recorded != sha256_hex(text.encode("utf-8"))):
+            raise self._fail(f"the accel document's SHA-256 differs from {DOC_SHA256_KEY} (it was changed after "
+                             "it was written)")
         try:
-            doc = json.loads(meta[FORMAT_NAME])
+            doc = json.loads(text)
         except (TypeError, json.JSONDecodeError):
             raise self._fail("the accel document is not valid JSON") from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
