@@ -133,6 +133,34 @@ def test_bad_semkv_specs_are_refused(kv_calib, tiny_llama, tmp_path, spec, messa
     assert not (tmp_path / "x").exists()
 
 
+def _edit_report(calib, mutate):
+    """Change kv/report.json and record its new SHA-256 in calibration.json, as a calibrate that wrote such a
+    report would: the report's own checks are what these tests reach, past the hash check."""
+    import hashlib
+
+    path = calib / "kv" / "report.json"
+    report = json.loads(path.read_text())
+    mutate(report)
+    path.write_text(json.dumps(report))
+    manifest = json.loads((calib / "calibration.json").read_text())
+    manifest["files"]["kv/report.json"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    (calib / "calibration.json").write_text(json.dumps(manifest))
+
+
+def test_a_kv_report_changed_after_calibrate_is_refused(kv_calib, tiny_llama, tmp_path):
+    """A changed report that is still a valid one (a recommendation's level count, say) would give another map
+    without a word: calibration.json's SHA-256 of it sees the change."""
+    import shutil
+
+    changed = tmp_path / "c"
+    shutil.copytree(kv_calib[0], changed)
+    path = changed / "kv" / "report.json"
+    path.write_text(path.read_text() + " ")
+    with pytest.raises(AccelError, match="kv/report.json changed since calibrate wrote it"):
+        quantize_model(tiny_llama, tmp_path / "x", QuantizeSettings(kv="semkv", calib=str(changed)))
+    assert not (tmp_path / "x").exists()
+
+
 def test_semkv_needs_a_kv_calibration_of_this_model(tiny_llama, tmp_path, kv_calib):
     with pytest.raises(AccelError, match="needs --calib"):
         quantize_model(tiny_llama, tmp_path / "x", QuantizeSettings(kv="semkv"))
@@ -142,9 +170,7 @@ def test_semkv_needs_a_kv_calibration_of_this_model(tiny_llama, tmp_path, kv_cal
     import shutil
 
     shutil.copytree(kv_calib[0], other)
-    report = json.loads((other / "kv" / "report.json").read_text())
-    report["model_shape"] = [30, 3, 64]
-    (other / "kv" / "report.json").write_text(json.dumps(report))
+    _edit_report(other, lambda r: r.update(model_shape=[30, 3, 64]))
     with pytest.raises(AccelError, match="calibrated on a different model"):
         quantize_model(tiny_llama, tmp_path / "x", QuantizeSettings(kv="semkv", calib=str(other)))
 
@@ -167,9 +193,7 @@ def test_a_damaged_kv_report_is_refused_in_one_line(kv_calib, tiny_llama, tmp_pa
 
     damaged = tmp_path / "c"
     shutil.copytree(kv_calib[0], damaged)
-    report = json.loads((damaged / "kv" / "report.json").read_text())
-    damage(report)
-    (damaged / "kv" / "report.json").write_text(json.dumps(report))
+    _edit_report(damaged, damage)
     for spec in ("semkv", "semkv:turbo:4/6@0.5"):
         with pytest.raises(AccelError, match="is damaged"):
             quantize_model(tiny_llama, tmp_path / "x", QuantizeSettings(kv=spec, calib=str(damaged)))

@@ -84,6 +84,17 @@ def pick_windows(tokenizer, text: str, settings: CalibSettings) -> np.ndarray:
     return windows[pick]
 
 
+def calibration_files_sha256(calib: Path) -> dict[str, str]:
+    """SHA-256 of a calibration's JSON files (kv/report.json, ...) by path relative to it, calibration.json left
+    out: what calibration.json's `files` records and quantize checks. Its containers are not listed: their
+    documents and stored tensors carry their own checksums."""
+    from accel.formats.container import file_sha256
+
+    calib = Path(calib)
+    return {p.relative_to(calib).as_posix(): file_sha256(p) for p in sorted(calib.rglob("*.json"))
+            if p.is_file() and p.relative_to(calib).as_posix() != CALIB_MANIFEST}
+
+
 def calibrate(model: str, data: Path, out: Path, kinds: list[str], settings: CalibSettings, force: bool = False,
               progress: Progress = SILENT) -> dict[str, Any]:
     """Run the requested kinds on MODEL over DATA into OUT; returns {out, for, windows, tokens, <kind>: report}."""
@@ -111,7 +122,8 @@ def calibrate(model: str, data: Path, out: Path, kinds: list[str], settings: Cal
         manifest = {"producer": f"accel {__version__}", "model": str(model), "for": list(runners),
                     "model_sha256": model_files_sha256(loaded.input_files),
                     "data": {Path(data).name: file_sha256(Path(data))}, "settings": asdict(settings),
-                    "tokens": int(windows.size), "windows": len(windows), "reports": without_timings(reports)}
+                    "tokens": int(windows.size), "windows": len(windows), "reports": without_timings(reports),
+                    "files": calibration_files_sha256(tmp)}
         atomic_write_text(tmp / CALIB_MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return {"out": str(out), "for": list(runners), "windows": len(windows), "tokens": int(windows.size),
             **reports}

@@ -58,6 +58,16 @@ def check_calibration_model(calib: Path, files_sha256: dict[str, str]) -> None:
     if not isinstance(doc, dict):
         raise AccelError(f"--calib {calib}: {CALIB_MANIFEST} is not a JSON object; the calibration is damaged: run "
                          f"accel calibrate again")
+    files = doc.get("files")
+    if files is not None:  # calibrations written since 2026-12-06
+        from accel.calibrate.run import calibration_files_sha256
+
+        found = calibration_files_sha256(calib)
+        changed = sorted(n for n in files if n in found and found[n] != files[n]) if isinstance(files, dict) \
+            else [CALIB_MANIFEST]
+        if changed:
+            raise AccelError(f"--calib {calib}: {', '.join(changed)} changed since calibrate wrote it (SHA-256 "
+                             f"differs from {CALIB_MANIFEST}'s); the calibration is damaged: run accel calibrate again")
     recorded = doc.get("model_sha256")
     if isinstance(recorded, dict) and recorded and recorded != files_sha256:
         differ = sorted(n for n in set(recorded) | set(files_sha256) if recorded.get(n) != files_sha256.get(n))
