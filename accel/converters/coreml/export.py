@@ -616,11 +616,13 @@ def read_package_item(package: Path, name: str) -> bytes:
 
 def package_files_sha256(package: Path) -> dict[str, str]:
     """SHA-256 of every file under the package's Data/ but the accel manifest, by path relative to Data/: what the
-    manifest's `files` records and `accel verify` checks (the model spec, the weight file, accel's other items)."""
+    manifest's `files` records and `accel verify` checks (the model spec, the weight file, accel's other items).
+    Hidden files are left out: macOS adds .DS_Store and ._* files to directories it copies or shows."""
     from accel.formats.container import file_sha256
 
     data = Path(package) / "Data"
-    files = sorted(p for p in data.rglob("*") if p.is_file() and p.name != MANIFEST_ITEM)
+    files = sorted(p for p in data.rglob("*") if p.is_file() and p.name != MANIFEST_ITEM
+                   and not any(part.startswith(".") for part in p.relative_to(data).parts))
     return {p.relative_to(data).as_posix(): file_sha256(p) for p in files}
 
 
