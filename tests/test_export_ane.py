@@ -564,6 +564,39 @@ def test_verify_checks_every_file_of_the_package_against_the_manifest(capsys, pa
     assert code == 1 and "accel-manifest.json is damaged: weight " in json.loads(out)["errors"][0]
 
 
+def test_damaged_package_files_are_faults_or_one_line_errors(capsys, packages, tmp_path):
+    """Seeded byte damage to each file of a package (bits flipped, a byte set, a cut): inspect reports it or
+    refuses it in one line; verify lists a fault (exit 1), never a traceback, and every damaged file that the
+    manifest's hashes cover is one. A fuzz like this found inspect tracebacks and weight.bin changes that verify
+    passed (2026-12-06)."""
+    import random
+    import shutil
+
+    pick = random.Random(0)
+    files = sorted(p.relative_to(packages["lut4"]) for p in packages["lut4"].rglob("*") if p.is_file())
+    hashed = {f"Data/{n}" for n in read_manifest(packages["lut4"])["files"]}
+    for case in range(24):
+        broken = tmp_path / f"b{case}.mlpackage"
+        shutil.copytree(packages["lut4"], broken)
+        name = files[case % len(files)]
+        raw = bytearray((broken / name).read_bytes())
+        how = pick.choice(["flip", "set", "cut"])
+        at = pick.randrange(len(raw))
+        if how == "flip":
+            raw[at] ^= 1 << pick.randrange(8)
+        elif how == "set":
+            raw[at] = (raw[at] + 1 + pick.randrange(255)) % 256
+        else:
+            del raw[at:]
+        (broken / name).write_bytes(bytes(raw))
+        code, _, err = run_cli(capsys, "inspect", broken)
+        assert "Traceback" not in err and (code == 0 or code == 2 and len(err.strip().splitlines()) == 1), err
+        code, out, err = run_cli(capsys, "verify", broken, "--json")
+        assert "Traceback" not in err and code in (0, 1), (name, how, err)
+        assert code == 1 or str(name) not in hashed, (name, how, json.loads(out))
+        shutil.rmtree(broken)
+
+
 def test_sweep_emits_variants_predictions_and_a_runner(tmp_path):
     from accel.converters.coreml.sweep import run_sweep
 
