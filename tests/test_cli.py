@@ -371,6 +371,34 @@ def test_verify_of_an_output_written_before_files_were_recorded(capsys, rtn4, tm
     assert run_json(capsys, "verify", older)["ok"]
 
 
+def test_damaged_output_files_are_faults_or_one_line_errors(capsys, rtn4, tmp_path, text_file):
+    """Seeded byte damage to each file of an OUT_DIR: inspect and eval report or refuse it in one line; verify
+    lists a fault (exit 1) for every file but accel.json (which nothing loads behaviour from), never a traceback.
+    A fuzz like this found tokenizer and generation-config changes that verify passed (2026-12-06)."""
+    import random
+    import shutil
+
+    pick = random.Random(0)
+    files = sorted(p.name for p in rtn4.iterdir() if p.is_file())
+    for case in range(3 * len(files)):
+        broken = tmp_path / f"b{case}"
+        shutil.copytree(rtn4, broken)
+        name = files[case % len(files)]
+        raw = bytearray((broken / name).read_bytes())
+        at = pick.randrange(len(raw))
+        if case % 3 == 2:
+            del raw[at:]
+        else:
+            raw[at] = (raw[at] + 1 + pick.randrange(255)) % 256
+        (broken / name).write_bytes(bytes(raw))
+        for argv in (["inspect", broken], ["eval", broken, "--data", text_file, "--windows", "1", "--seq-len", "16"]):
+            code, _, err = run(capsys, *argv)
+            assert "Traceback" not in err and (code == 0 or code == 2 and len(err.strip().splitlines()) == 1), err
+        code, out, err = run(capsys, "verify", broken, "--json")
+        assert "Traceback" not in err and (code == 1 or name == "accel.json" and code == 0), (name, out)
+        shutil.rmtree(broken)
+
+
 def test_verify_of_an_intact_output_and_of_its_lone_container(capsys, rtn4):
     report = run_json(capsys, "verify", rtn4)
     assert report["ok"] and report["errors"] == [] and report["tensors"] == 21
