@@ -161,6 +161,35 @@ def test_a_kv_report_changed_after_calibrate_is_refused(kv_calib, tiny_llama, tm
     assert not (tmp_path / "x").exists()
 
 
+def test_verify_checks_a_calibration(kv_calib, tmp_path, capsys):
+    """`accel verify CALIB_DIR`: its recorded JSON files and every container's checksums and decode."""
+    import shutil
+
+    def verify(path, *extra):
+        code = main(["verify", str(path), "--json", *extra])
+        out, err = capsys.readouterr()
+        return code, (json.loads(out) if out.strip() else None), err
+
+    code, report, _ = verify(kv_calib[0])
+    assert code == 0 and report["ok"] and report["kind"] == "calibration" and report["tensors"] > 0
+    broken = tmp_path / "c"
+    shutil.copytree(kv_calib[0], broken)
+    (broken / "kv" / "report.json").write_text((broken / "kv" / "report.json").read_text() + " ")
+    container = broken / "kv" / "model.safetensors"
+    raw = bytearray(container.read_bytes())
+    raw[-3] ^= 1  # in the last stored tensor's bytes
+    container.write_bytes(bytes(raw))
+    code, report, _ = verify(broken)
+    assert code == 1 and len(report["errors"]) == 2
+    assert report["errors"][0].startswith("kv/report.json: changed since calibrate wrote it")
+    assert report["errors"][1].startswith("kv/model.safetensors: tensor ") and "checksum mismatch" in report["errors"][1]
+    (broken / "calibration.json").write_text("{")
+    code, report, _ = verify(broken)
+    assert code == 1 and report["errors"][0] == "calibration.json: cannot be read (JSONDecodeError)"
+    code, _, err = verify(kv_calib[0], "--reference", "smollm2-135m")
+    assert code == 2 and "is a calibration" in err and len(err.strip().splitlines()) == 1
+
+
 def test_semkv_needs_a_kv_calibration_of_this_model(tiny_llama, tmp_path, kv_calib):
     with pytest.raises(AccelError, match="needs --calib"):
         quantize_model(tiny_llama, tmp_path / "x", QuantizeSettings(kv="semkv"))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import numpy as np
 from accel.errors import AccelError, FormatError
 from accel.eval.load import model_config
 from accel.formats.artifact import MANIFEST_FILE, Artifact
-from accel.formats.container import file_sha256
+from accel.formats.container import AccelFile, file_sha256
 from accel.progress import SILENT, Progress
 
 CONFIG_FILE = "config.json"
@@ -45,24 +46,9 @@ def verify_artifact(path: Path, reference: str | None = None, progress: Progress
         progress.stage("verifying", len(art.names))
         for name in art.names:
             progress.advance()
-            owner = art.owner[name]
-            bad = [s for s in art.entry(name).parts.values() if not owner.checksum_ok(s)]
-            if bad:
-                errors.append(f"{owner.path.name}: tensor '{name}': checksum mismatch in stored tensor '{bad[0]}'")
-                faulty.add(name)
-                continue
-            try:
-                decoded = art.decode(name, check=False)
-            except FormatError as exc:  # the reader's message names the tensor
-                errors.append(str(exc))
-                faulty.add(name)
-                continue
-            except AccelError as exc:
-                errors.append(f"tensor '{name}': {exc}")
-                faulty.add(name)
-                continue
-            if decoded.dtype.kind == "f" and not np.isfinite(decoded).all():
-                errors.append(f"tensor '{name}': decodes to NaN or Inf")
+            decoded, fault = checked_decode(art.owner[name], name)
+            if fault is not None:
+                errors.append(fault)
                 faulty.add(name)
                 continue
             if source is None or art.entry(name).role not in ("quantized", "kept"):
@@ -98,6 +84,23 @@ def verify_artifact(path: Path, reference: str | None = None, progress: Progress
         report.update({"reference": reference, "max_rel_error": rel_errors[worst] if worst else 0.0,
                        "max_rel_error_tensor": worst, "max_abs_error": max_abs, "rel_error": rel_errors})
     return report
+
+
+def checked_decode(container: AccelFile, name: str, prefix: str = "") -> tuple[np.ndarray | None, str | None]:
+    """One logical tensor of a container decoded, or the one-line fault that stops it: a stored tensor's checksum,
+    a decode the reader refuses, NaN or Inf in the values. prefix goes before the file name (a subdirectory)."""
+    bad = [s for s in container.entries[name].parts.values() if not container.checksum_ok(s)]
+    if bad:
+        return None, f"{prefix}{container.path.name}: tensor '{name}': checksum mismatch in stored tensor '{bad[0]}'"
+    try:
+        decoded = container.decode(name, check=False)
+    except FormatError as exc:  # the reader's message names the file and the tensor
+        return None, f"{prefix}{exc}"
+    except AccelError as exc:
+        return None, f"{prefix}tensor '{name}': {exc}"
+    if decoded.dtype.kind == "f" and not np.isfinite(decoded).all():
+        return None, f"{prefix}tensor '{name}': decodes to NaN or Inf"
+    return decoded, None
 
 
 def map_faults(art: Artifact) -> list[str]:
@@ -180,3 +183,64 @@ def config_faults(art: Artifact, config: dict[str, Any]) -> list[str]:
         return [f"{CONFIG_FILE}: {exc}"]
     stored = {n: tuple(art.entry(n).shape) for n in art.names if art.entry(n).role in ("quantized", "kept")}
     return [f"{CONFIG_FILE}: {p}" for p in tensor_problems(model, stored, str(config.get("model_type")))]
+
+
+def is_calibration(path: Path) -> bool:
+    """A directory `accel calibrate` wrote (it holds calibration.json)."""
+    from accel.calibrate import CALIB_MANIFEST
+
+    return Path(path).is_dir() and (Path(path) / CALIB_MANIFEST).is_file()
+
+
+def verify_calibration(path: Path, progress: Progress = SILENT) -> dict[str, Any]:
+    """`accel verify CALIB_DIR`: calibration.json readable and its recorded JSON files unchanged (`files`, since
+    2026-12-06), and every container under the directory (Hessians, KV and state statistics) with every stored
+    tensor's checksum right and every logical tensor decoding to finite values. One line a fault."""
+    from accel.calibrate import CALIB_MANIFEST
+    from accel.calibrate.run import calibration_files_sha256
+
+    path = Path(path)
+    errors: list[str] = []
+    try:
+        manifest = json.loads((path / CALIB_MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        manifest = None
+        errors.append(f"{CALIB_MANIFEST}: cannot be read ({type(exc).__name__})")
+    if manifest is not None and not isinstance(manifest, dict):
+        errors.append(f"{CALIB_MANIFEST}: not a JSON object")
+    recorded = manifest.get("files") if isinstance(manifest, dict) else None
+    if isinstance(recorded, dict):
+        found = calibration_files_sha256(path)
+        for name in sorted(recorded):
+            if name not in found:
+                errors.append(f"{name}: missing (calibrate wrote it; {CALIB_MANIFEST} lists it)")
+            elif found[name] != recorded[name]:
+                errors.append(f"{name}: changed since calibrate wrote it (its SHA-256 differs from "
+                              f"{CALIB_MANIFEST}'s)")
+    elif recorded is not None:
+        errors.append(f"{CALIB_MANIFEST}: 'files' is not an object of file name to SHA-256")
+    containers = sorted(path.rglob("*.safetensors"))
+    tensors = total = 0
+    progress.stage("verifying", len(containers))
+    for file in containers:
+        progress.advance()
+        where = file.relative_to(path).parent.as_posix()
+        prefix = "" if where == "." else f"{where}/"
+        try:
+            container = AccelFile(file)
+        except FormatError as exc:
+            errors.append(f"{prefix}{exc}")
+            continue
+        try:
+            for name in container.entries:
+                tensors += 1
+                total += container.stored_bytes(name)
+                fault = checked_decode(container, name, prefix)[1]
+                if fault is not None:
+                    errors.append(fault)
+        finally:
+            container.close()
+    progress.close()
+    if not containers:
+        errors.append("no container (*.safetensors) under the calibration directory")
+    return {"ok": not errors, "errors": errors, "tensors": tensors, "bytes": total, "kind": "calibration"}
