@@ -143,6 +143,26 @@ def test_a_group_wider_than_the_row_is_the_row(rng):
     assert np.array_equal(decode_parts(wide, parts), decode_parts(row, {p: row_arrays[n] for p, n in row.parts.items()}))
 
 
+@pytest.mark.parametrize("change,message", [
+    ({"num_key_value_heads": 4}, "has shape (20, 40), the model expects (40, 40)"),
+    ({"mlp_bias": "yes"}, "not a valid 'llama' config"),
+    ({"head_dim": 0}, "cannot build a causal LM of type 'llama'"),
+])
+def test_a_source_whose_config_does_not_describe_its_tensors_is_refused_before_any_work(
+        capsys, model, tmp_path, change, message):
+    """quantize wrote such outputs in full, and eval refused them only then (head_dim 0 was a traceback there)."""
+    import shutil
+
+    source = tmp_path / "m"
+    shutil.copytree(model, source)
+    config = json.loads((source / "config.json").read_text())
+    config.update(change)
+    (source / "config.json").write_text(json.dumps(config))
+    code, _, err = run(capsys, "quantize", source, "--weights", "rtn4", "--out", tmp_path / "q")
+    assert_one_line_error(code, err, 2, message)
+    assert not (tmp_path / "q").exists()
+
+
 def test_a_calibration_of_other_weights_with_the_same_shapes_is_refused(capsys, model, tmp_path, text_file):
     calib = tmp_path / "calib"
     assert run(capsys, "calibrate", model, "--for", "weights", "--data", text_file, "--out", calib,

@@ -74,7 +74,7 @@ def empty_model(config: Mapping[str, Any], attn_implementation: str | None = Non
     try:
         with _parameters_on_meta():
             return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, **extra)
-    except ValueError as err:
+    except Exception as err:  # a config value the model's constructor cannot use (head_dim 0: a ZeroDivisionError)
         raise AccelError(f"cannot build a causal LM of type {model_type!r}: {one_line(err)}") from err
 
 

@@ -130,6 +130,23 @@ def keep_tensor(source, name: str, x: np.ndarray):
     return encode_tensor(name, x, "raw", role="kept", dtype=source.tensor_dtype(name))
 
 
+def check_source_loads(model: str, source: Any) -> None:
+    """Refuse, before any work, a source whose config and tensors eval could not build a model from: its output
+    would hold the same config and tensors, and eval would refuse it after the whole quantization (the same check as
+    `build_transformers_model`'s, on the meta device: nothing is loaded)."""
+    from accel.converters.materialize import empty_model, tensor_problems
+
+    config = dict(source.config)
+    try:
+        problems = tensor_problems(empty_model(config), {n: tuple(source.tensor_shape(n)) for n in source.tensor_names()},
+                                   str(config.get("model_type")))
+    except AccelError as exc:
+        problems = [str(exc)]
+    if problems:
+        raise AccelError(f"{model}: {problems[0]} (its config does not describe its tensors; eval could not load "
+                         "the output)")
+
+
 def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: bool = False,
                    progress: Progress = SILENT, jobs: int | None = None) -> dict[str, Any]:
     """Quantize MODEL into OUT_DIR; returns the report of design.md §3 (`quantize`).
@@ -157,6 +174,7 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
                                      hessians=hessians)
     with open_model(model) as source:
         inputs = sorted({Path(p) for p in source.input_files})
+        check_source_loads(model, source)
         maps = _build_maps(model, dict(source.config), settings, progress)  # names a shape mismatch first
         hashes = model_files_sha256(inputs)
         if settings.calib is not None:
