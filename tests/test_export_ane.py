@@ -494,6 +494,29 @@ def test_cli_refuses_a_context_over_the_ane_limit_naming_the_limit(capsys, tmp_p
     assert code == 2 and "limit of 16384" in err
 
 
+@pytest.mark.parametrize("change,message", [
+    ({"rms_norm_eps": ""}, "not a valid 'llama' config"),
+    ({"num_key_value_heads": 4}, "the model expects"),
+    ({"architectures": 7}, "is not a list of class names"),
+    ({"dtype": "silu"}, "wrote"),  # a load-time dtype is not the model's: ignored, as eval ignores it
+])
+def test_cli_export_of_a_source_whose_config_is_broken(capsys, untied, tmp_path, change, message):
+    """Each was a traceback (ValueError, TypeError, AttributeError) before 2026-12-06: a fuzz of config.json."""
+    import shutil
+
+    source = tmp_path / "m"
+    shutil.copytree(untied, source)
+    config = json.loads((source / "config.json").read_text())
+    config.update(change)
+    (source / "config.json").write_text(json.dumps(config))
+    code, _, err = run_cli(capsys, "export-ane", source, "--out", tmp_path / "x.mlpackage", "--context", "16",
+                           "--prefill", "4", "--no-naive")
+    if message == "wrote":
+        assert code == 0, err
+    else:
+        one_line_error(code, err, message)
+
+
 def test_cli_refuses_unsupported_architecture_and_bad_arguments(capsys, tmp_path, untied):
     other = make_llama(tmp_path / "mistral", model_type="mistral")
     code, _, err = run_cli(capsys, "export-ane", other, "--out", tmp_path / "x.mlpackage")

@@ -18,7 +18,7 @@ from accel.converters.sources import one_line
 from accel.errors import AccelError
 
 # Keys of a config.json that describe the file, not the model.
-_NOT_MODEL_KEYS = ("model_type", "accel", "transformers_version", "torch_dtype", "dtype", "_name_or_path")
+NOT_MODEL_KEYS = ("model_type", "accel", "transformers_version", "torch_dtype", "dtype", "_name_or_path")
 
 
 @contextlib.contextmanager
@@ -65,7 +65,7 @@ def empty_model(config: Mapping[str, Any], attn_implementation: str | None = Non
         raise AccelError('the model config has no "model_type"')
     if model_type not in CONFIG_MAPPING:
         raise AccelError(f"model type {model_type!r} is not known to transformers {_transformers_version()}")
-    kwargs = {k: v for k, v in config.items() if k not in _NOT_MODEL_KEYS}
+    kwargs = {k: v for k, v in config.items() if k not in NOT_MODEL_KEYS}
     try:
         hf_config = AutoConfig.for_model(model_type, **kwargs)
     except Exception as err:  # transformers' config classes validate with their own exception types
@@ -110,6 +110,17 @@ def tensor_problems(model: torch.nn.Module, shapes: Mapping[str, tuple[int, ...]
         problems.append(f"tensor {wrong[0]!r} has shape {tuple(shapes[wrong[0]])}, the model expects "
                         f"{expected[wrong[0]]}" + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""))
     return problems
+
+
+def loading_problem(config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> str | None:
+    """The first thing `build_transformers_model` would refuse in a model of this config with tensors of these
+    shapes (an invalid config, a missing, unexpected or misshapen tensor), found on the meta device without loading
+    anything; None when it would build."""
+    try:
+        problems = tensor_problems(empty_model(config), shapes, str(config.get("model_type")))
+    except AccelError as exc:
+        return str(exc)
+    return problems[0] if problems else None
 
 
 def build_transformers_model(

@@ -134,17 +134,12 @@ def check_source_loads(model: str, source: Any) -> None:
     """Refuse, before any work, a source whose config and tensors eval could not build a model from: its output
     would hold the same config and tensors, and eval would refuse it after the whole quantization (the same check as
     `build_transformers_model`'s, on the meta device: nothing is loaded)."""
-    from accel.converters.materialize import empty_model, tensor_problems
+    from accel.converters.materialize import loading_problem
 
-    config = dict(source.config)
-    try:
-        problems = tensor_problems(empty_model(config), {n: tuple(source.tensor_shape(n)) for n in source.tensor_names()},
-                                   str(config.get("model_type")))
-    except AccelError as exc:
-        problems = [str(exc)]
-    if problems:
-        raise AccelError(f"{model}: {problems[0]} (its config does not describe its tensors; eval could not load "
-                         "the output)")
+    problem = loading_problem(dict(source.config), {n: tuple(source.tensor_shape(n)) for n in source.tensor_names()})
+    if problem:
+        raise AccelError(f"{model}: {problem} (its config does not describe its tensors; eval could not load the "
+                         "output)")
 
 
 def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: bool = False,

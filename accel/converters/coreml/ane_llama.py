@@ -71,6 +71,8 @@ def llama_dims(config: dict[str, Any]) -> LlamaDims:
     """Validate that `config` is a Llama-family model this exporter handles; refuse anything else by name."""
     model_type = config.get("model_type")
     archs = config.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise AccelError(f"the model config's architectures {archs!r} is not a list of class names")
     arch = archs[0] if archs else model_type
     if model_type not in SUPPORTED_ARCHITECTURES or (archs and arch not in SUPPORTED_ARCHITECTURES[model_type]):
         supported = ", ".join(a for v in SUPPORTED_ARCHITECTURES.values() for a in v)
@@ -103,7 +105,9 @@ def rotary_tables(dims: LlamaDims, positions: int) -> tuple[np.ndarray, np.ndarr
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    keep = {k: v for k, v in dims.config.items() if k not in ("model_type", "accel", "architectures")}
+    from accel.converters.materialize import NOT_MODEL_KEYS
+
+    keep = {k: v for k, v in dims.config.items() if k not in NOT_MODEL_KEYS + ("architectures",)}
     rope = LlamaRotaryEmbedding(LlamaConfig(**keep))
     pos = torch.arange(positions, dtype=torch.int64)[None]
     cos, sin = rope(torch.zeros(1, dtype=torch.float32), pos)

@@ -110,6 +110,13 @@ class WeightSource:
             self.config = dict(self.model.config)
             self.kind = "model"
 
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """The model tensors' shapes by Hugging Face name (an OUT_DIR's maps left out)."""
+        if self.artifact is not None:
+            return {n: tuple(self.artifact.entry(n).shape) for n in self.artifact.names
+                    if self.artifact.entry(n).role in ("quantized", "kept")}
+        return {n: tuple(self.model.tensor_shape(n)) for n in self.model.tensor_names()}
+
     def float(self, name: str) -> np.ndarray:
         if self.artifact is not None:
             if name not in self.artifact.owner:
@@ -679,6 +686,7 @@ def export_ane(model: str | Path, out: Path, settings: ExportSettings, force: bo
                progress: Progress = SILENT) -> dict[str, Any]:
     """Export MODEL (HF dir, GGUF, alias or accel OUT_DIR) as a multifunction ANE package at `out`."""
     from accel.converters.coreml import placement
+    from accel.converters.materialize import loading_problem
     from accel.formats.atomic import check_output_dir, output_dir
 
     started = time.perf_counter()
@@ -691,6 +699,9 @@ def export_ane(model: str | Path, out: Path, settings: ExportSettings, force: bo
     try:
         inputs = [Path(model)] if Path(model).exists() else []
         check_output_dir(out, force, inputs)
+        problem = loading_problem(source.config, source.shapes())
+        if problem:  # an invalid config (llama_dims reads it) or one that does not describe the tensors
+            raise AccelError(f"{model}: {problem} (its config does not describe its tensors)")
         dims = llama_dims(source.config)
         prefill = min(settings.prefill, settings.context)
         check_ane_shapes(dims, settings.context, prefill)
