@@ -56,3 +56,25 @@ def rng() -> np.random.Generator:
 
 def read_json(path: Path):
     return json.loads(Path(path).read_text())
+
+
+def mutate_json(doc, pick, values, delete_chance):
+    """Change one place of a parsed JSON document in place, chosen by `pick` (a random.Random): delete it (an
+    object's key, with probability delete_chance) or set it to a copy of one of `values`. Returns its path."""
+    import copy
+
+    def paths(obj, prefix=()):
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+        for key, value in items:
+            yield prefix + (key,)
+            yield from paths(value, prefix + (key,))
+
+    at = pick.choice(list(paths(doc)))
+    parent = doc
+    for key in at[:-1]:
+        parent = parent[key]
+    if isinstance(parent, dict) and pick.random() < delete_chance:
+        del parent[at[-1]]
+    else:
+        parent[at[-1]] = copy.deepcopy(pick.choice(values))
+    return at

@@ -8,6 +8,7 @@ import struct
 
 import numpy as np
 import pytest
+from conftest import mutate_json
 from safetensors import safe_open
 
 from accel.errors import FormatError
@@ -175,25 +176,11 @@ def test_random_document_mutations_fail_only_as_format_errors(tmp_path, rng):
     header, data = _split(path)
     doc = json.loads(header["__metadata__"]["accel"])
 
-    def paths(o, pre=()):
-        items = o.items() if isinstance(o, dict) else enumerate(o) if isinstance(o, list) else ()
-        for k, v in items:
-            yield pre + (k,)
-            yield from paths(v, pre + (k,))
-
-    where = list(paths(doc))
     values = [None, 0, -1, 2**40, 1.5, "x", "", [], [1], [-1, 3], {}, {"a": 1}, True, [6, 50], "float16", "planes"]
     pick = random.Random(3)
     for _ in range(400):
         mutated = json.loads(json.dumps(doc))
-        at = pick.choice(where)
-        target = mutated
-        for key in at[:-1]:
-            target = target[key]
-        if isinstance(target, dict) and pick.random() < 0.15:
-            del target[at[-1]]
-        else:
-            target[at[-1]] = pick.choice(values)
+        mutate_json(mutated, pick, values, 0.15)
         _set_doc(header, mutated)
         _rewrite(path, header, data)
         try:

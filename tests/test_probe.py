@@ -8,6 +8,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+from conftest import mutate_json
 from test_export_ane import make_llama, one_line_error, run_cli
 
 from accel.converters.coreml.export import (
@@ -219,12 +220,6 @@ def test_mutated_captures_are_reported_or_refused_in_one_line(capsys, package, t
     import copy
     import random
 
-    def paths(obj, prefix=()):
-        items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
-        for key, value in items:
-            yield prefix + (key,)
-            yield from paths(value, prefix + (key,))
-
     values = [None, True, 0, -1, 1.5, "x", [], {}, [1, 2], {"a": 1}, 10**30]
     captures = [json.loads((FIXTURES / n).read_text())
                 for n in ("capture_amc.json", "capture_pmp.json", "capture_power_only.json")]
@@ -232,14 +227,7 @@ def test_mutated_captures_are_reported_or_refused_in_one_line(capsys, package, t
     path = tmp_path / "c.json"
     for _ in range(150):
         doc = copy.deepcopy(pick.choice(captures))
-        at = pick.choice(list(paths(doc)))
-        parent = doc
-        for key in at[:-1]:
-            parent = parent[key]
-        if isinstance(parent, dict) and pick.random() < 0.3:
-            del parent[at[-1]]
-        else:
-            parent[at[-1]] = copy.deepcopy(pick.choice(values))
+        at = mutate_json(doc, pick, values, 0.3)
         path.write_text(json.dumps(doc))
         code, _, err = run_cli(capsys, "probe", "report", path, "--package", package)
         assert code in (0, 2) and "Traceback" not in err, (at, err)
