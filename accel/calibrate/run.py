@@ -88,18 +88,16 @@ def calibration_files_sha256(calib: Path) -> dict[str, str]:
     """SHA-256 of a calibration's JSON files (kv/report.json, ...) by path relative to it, calibration.json left
     out: what calibration.json's `files` records and quantize checks. Its containers are not listed: their
     documents and stored tensors carry their own checksums."""
-    from accel.formats.container import file_sha256
+    from accel.formats.filehash import files_sha256
 
-    calib = Path(calib)
-    return {p.relative_to(calib).as_posix(): file_sha256(p) for p in sorted(calib.rglob("*.json"))
-            if p.is_file() and p.relative_to(calib).as_posix() != CALIB_MANIFEST}
+    return files_sha256(calib, lambda rel: rel != CALIB_MANIFEST, "*.json")
 
 
 def calibrate(model: str, data: Path, out: Path, kinds: list[str], settings: CalibSettings, force: bool = False,
               progress: Progress = SILENT) -> dict[str, Any]:
     """Run the requested kinds on MODEL over DATA into OUT; returns {out, for, windows, tokens, <kind>: report}."""
     from accel.eval.load import load_causal_lm
-    from accel.formats.container import file_sha256
+    from accel.formats.filehash import file_sha256
     from accel.quantize.pipeline import model_files_sha256
 
     if not kinds:

@@ -59,6 +59,10 @@ class ModelSource(abc.ABC):
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         """The tensor's shape in PyTorch orientation, e.g. (out_features, in_features)."""
 
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape by name (nothing loaded)."""
+        return {name: tuple(self.tensor_shape(name)) for name in self.tensor_names()}
+
     @abc.abstractmethod
     def tensor_dtype(self, name: str) -> str:
         """The source precision: "float32", "float16" or "bfloat16" (quantized GGUF types: "float32")."""

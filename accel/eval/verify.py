@@ -11,8 +11,9 @@ import numpy as np
 
 from accel.errors import AccelError, FormatError
 from accel.eval.load import model_config
-from accel.formats.artifact import MANIFEST_FILE, Artifact
-from accel.formats.container import AccelFile, file_sha256
+from accel.formats.artifact import MANIFEST_FILE, Artifact, sidecar_files_sha256
+from accel.formats.container import AccelFile
+from accel.formats.filehash import file_faults
 from accel.progress import SILENT, Progress
 
 CONFIG_FILE = "config.json"
@@ -142,19 +143,10 @@ def directory_faults(art: Artifact) -> list[str]:
 def recorded_file_faults(art: Artifact) -> list[str]:
     """The files accel.json's `files` lists (name → SHA-256, written by quantize since 2026-12-06; older outputs
     have none and are checked as before): each present, with its recorded SHA-256."""
-    files = art.manifest.get("files")
-    if files is None:
+    if art.manifest.get("files") is None:
         return []
-    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
-        return [f"{MANIFEST_FILE}: 'files' is not an object of file name to SHA-256"]
-    faults = []
-    for name, recorded in sorted(files.items()):
-        path = art.root / name
-        if Path(name).name != name or not path.is_file():
-            faults.append(f"{name}: missing (quantize wrote it; {MANIFEST_FILE} lists it)")
-        elif file_sha256(path) != recorded:
-            faults.append(f"{name}: changed since quantize wrote it (its SHA-256 differs from {MANIFEST_FILE}'s)")
-    return faults
+    return file_faults(art.manifest["files"], sidecar_files_sha256(art.root), writer="quantize",
+                       manifest=MANIFEST_FILE)
 
 
 def tokenizer_faults(art: Artifact) -> list[str]:
@@ -181,8 +173,7 @@ def config_faults(art: Artifact, config: dict[str, Any]) -> list[str]:
         model = empty_model(config)
     except AccelError as exc:
         return [f"{CONFIG_FILE}: {exc}"]
-    stored = {n: tuple(art.entry(n).shape) for n in art.names if art.entry(n).role in ("quantized", "kept")}
-    return [f"{CONFIG_FILE}: {p}" for p in tensor_problems(model, stored, str(config.get("model_type")))]
+    return [f"{CONFIG_FILE}: {p}" for p in tensor_problems(model, art.model_shapes(), str(config.get("model_type")))]
 
 
 def is_calibration(path: Path) -> bool:
@@ -208,17 +199,9 @@ def verify_calibration(path: Path, progress: Progress = SILENT) -> dict[str, Any
         errors.append(f"{CALIB_MANIFEST}: cannot be read ({type(exc).__name__})")
     if manifest is not None and not isinstance(manifest, dict):
         errors.append(f"{CALIB_MANIFEST}: not a JSON object")
-    recorded = manifest.get("files") if isinstance(manifest, dict) else None
-    if isinstance(recorded, dict):
-        found = calibration_files_sha256(path)
-        for name in sorted(recorded):
-            if name not in found:
-                errors.append(f"{name}: missing (calibrate wrote it; {CALIB_MANIFEST} lists it)")
-            elif found[name] != recorded[name]:
-                errors.append(f"{name}: changed since calibrate wrote it (its SHA-256 differs from "
-                              f"{CALIB_MANIFEST}'s)")
-    elif recorded is not None:
-        errors.append(f"{CALIB_MANIFEST}: 'files' is not an object of file name to SHA-256")
+    if isinstance(manifest, dict) and "files" in manifest:
+        errors += file_faults(manifest["files"], calibration_files_sha256(path), writer="calibrate",
+                              manifest=CALIB_MANIFEST)
     containers = sorted(path.rglob("*.safetensors"))
     tensors = total = 0
     progress.stage("verifying", len(containers))

@@ -11,7 +11,8 @@ import numpy as np
 
 from accel.errors import AccelError, FormatError
 from accel.formats.atomic import atomic_write_text
-from accel.formats.container import AccelFile, file_sha256, write_file
+from accel.formats.container import AccelFile, write_file
+from accel.formats.filehash import files_sha256
 from accel.formats.tensor import TensorEntry
 
 WEIGHTS_FILE = "model.safetensors"
@@ -26,8 +27,7 @@ def sidecar_files_sha256(out_dir: Path) -> dict[str, str]:
     """SHA-256 by name of an OUT_DIR's files besides its containers and accel.json (config, tokenizer files, the
     shard index): what accel.json's `files` records when quantize writes them and `verify` checks (docs/format.md
     §6). The containers are left out: each stored tensor has its own checksum in the container's document."""
-    return {p.name: file_sha256(p) for p in sorted(Path(out_dir).iterdir())
-            if p.is_file() and p.name != MANIFEST_FILE and not p.name.endswith(".safetensors")}
+    return files_sha256(out_dir, lambda rel: "/" not in rel and rel != MANIFEST_FILE and not rel.endswith(".safetensors"))
 
 
 def write_weights(out_dir: Path, encoded: list[Encoded], max_shard_bytes: int = DEFAULT_SHARD_BYTES,
@@ -150,6 +150,10 @@ class Artifact:
 
     def decode(self, name: str, check: bool = True) -> np.ndarray:
         return self.owner[name].decode(name, check=check)
+
+    def model_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The model's tensors (roles quantized and kept, not maps) by name, with their logical shapes."""
+        return {n: tuple(self.entry(n).shape) for n in self.names if self.entry(n).role in ("quantized", "kept")}
 
     def report(self, name: str) -> TensorReport:
         entry, nbytes = self.entry(name), self.owner[name].stored_bytes(name)

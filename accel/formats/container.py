@@ -33,15 +33,6 @@ def sha256_hex(data: memoryview | bytes | np.ndarray) -> str:
     return hashlib.sha256(memoryview(data).cast("B") if not isinstance(data, bytes) else data).hexdigest()
 
 
-def file_sha256(path: Path) -> str:
-    """SHA-256 of a file's bytes, read in 4 MiB chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def write_file(path: Path, entries: list[TensorEntry], arrays: dict[str, np.ndarray],
                extra: dict[str, Any] | None = None) -> int:
     """Write entries (and their stored arrays) as one container; returns the file size. Atomic, deterministic."""

@@ -17,7 +17,7 @@ from accel.calibrate import CALIB_MANIFEST
 from accel.errors import AccelError
 from accel.formats.artifact import MANIFEST_FILE, Artifact, sidecar_files_sha256, write_weights
 from accel.formats.atomic import atomic_write_text, check_output_dir, output_dir
-from accel.formats.container import file_sha256
+from accel.formats.filehash import file_sha256
 from accel.formats.layouts import get_layout
 from accel.formats.tensor import decode_parts, encode_tensor
 from accel.progress import SILENT, Progress
@@ -59,7 +59,7 @@ def check_calibration_model(calib: Path, files_sha256: dict[str, str]) -> None:
         raise AccelError(f"--calib {calib}: {CALIB_MANIFEST} is not a JSON object; the calibration is damaged: run "
                          f"accel calibrate again")
     files = doc.get("files")
-    if files is not None:  # calibrations written since 2026-12-06
+    if files is not None:  # calibrations written since 2026-12-06; a missing file is left to its reader
         from accel.calibrate.run import calibration_files_sha256
 
         found = calibration_files_sha256(calib)
@@ -136,7 +136,7 @@ def check_source_loads(model: str, source: Any) -> None:
     `build_transformers_model`'s, on the meta device: nothing is loaded)."""
     from accel.converters.materialize import loading_problem
 
-    problem = loading_problem(dict(source.config), {n: tuple(source.tensor_shape(n)) for n in source.tensor_names()})
+    problem = loading_problem(dict(source.config), source.tensor_shapes())
     if problem:
         raise AccelError(f"{model}: {problem} (its config does not describe its tensors; eval could not load the "
                          "output)")

@@ -112,10 +112,7 @@ class WeightSource:
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """The model tensors' shapes by Hugging Face name (an OUT_DIR's maps left out)."""
-        if self.artifact is not None:
-            return {n: tuple(self.artifact.entry(n).shape) for n in self.artifact.names
-                    if self.artifact.entry(n).role in ("quantized", "kept")}
-        return {n: tuple(self.model.tensor_shape(n)) for n in self.model.tensor_names()}
+        return self.artifact.model_shapes() if self.artifact is not None else self.model.tensor_shapes()
 
     def float(self, name: str) -> np.ndarray:
         if self.artifact is not None:
@@ -625,12 +622,10 @@ def package_files_sha256(package: Path) -> dict[str, str]:
     """SHA-256 of every file under the package's Data/ but the accel manifest, by path relative to Data/: what the
     manifest's `files` records and `accel verify` checks (the model spec, the weight file, accel's other items).
     Hidden files are left out: macOS adds .DS_Store and ._* files to directories it copies or shows."""
-    from accel.formats.container import file_sha256
+    from accel.formats.filehash import files_sha256
 
-    data = Path(package) / "Data"
-    files = sorted(p for p in data.rglob("*") if p.is_file() and p.name != MANIFEST_ITEM
-                   and not any(part.startswith(".") for part in p.relative_to(data).parts))
-    return {p.relative_to(data).as_posix(): file_sha256(p) for p in files}
+    return files_sha256(Path(package) / "Data", lambda rel: rel.rsplit("/", 1)[-1] != MANIFEST_ITEM
+                        and not any(part.startswith(".") for part in rel.split("/")))
 
 
 def read_manifest(package: Path) -> dict[str, Any]:

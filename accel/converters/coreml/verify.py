@@ -17,6 +17,7 @@ from accel.converters.coreml.ane_llama import llama_dims, logits_from_pieces
 from accel.converters.coreml.export import WeightSource, package_files_sha256, read_manifest
 from accel.converters.coreml.mil_interp import SUPPORTED_OPS, Interpreter
 from accel.errors import AccelError, FormatError
+from accel.formats.filehash import file_faults
 from accel.progress import SILENT, Progress
 
 # Largest |interpreter - reference| / max|reference| per call accepted as "within fp16 tolerance": fp16 keeps
@@ -49,17 +50,10 @@ def verify_package(package: Path, reference: str | None = None, steps: int = DEF
 def file_errors(package: Path, manifest: dict[str, Any]) -> list[str]:
     """The package's files against the SHA-256s its manifest recorded (`files`; packages exported before
     2026-12-06 have none): one line a missing, changed or unlisted file."""
-    recorded = manifest.get("files")
-    if recorded is None:
+    if manifest.get("files") is None:
         return []
-    found = package_files_sha256(package)
-    errors = [f"Data/{name}: missing (export wrote it; the manifest lists it)" for name in sorted(recorded)
-              if name not in found]
-    errors += [f"Data/{name}: changed since export wrote it (its SHA-256 differs from the manifest's)"
-               for name in sorted(recorded) if name in found and found[name] != recorded[name]]
-    errors += [f"Data/{name}: not written by export (the manifest does not list it)" for name in sorted(found)
-               if name not in recorded]
-    return errors
+    return file_faults(manifest["files"], package_files_sha256(package), writer="export", manifest="the manifest",
+                       prefix="Data/", unlisted=True)
 
 
 def _verify(package: Path, manifest: dict[str, Any], interp: Interpreter, reference: str | None, steps: int,
