@@ -1487,6 +1487,51 @@ static inline int block_exponent(float mx, float *fac, float *unit) {
     return 1;
 }
 
+#if HAVE_AVX2
+/* block_exponent for x[c0, c1) on AVX2; 0 also if an element is not finite */
+static int block_scale8(const float *x, int64_t c0, int64_t c1, float *fac, float *unit) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 vmax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    for (int64_t c = c0; c < c1; c += 8) {
+        const __m256 v = _mm256_maskload_ps(x + c, lanes8(c1 - c));
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        vmax = _mm256_max_ps(vmax, _mm256_and_ps(v, absmask));
+    }
+    float mx[8];
+    _mm256_storeu_ps(mx, vmax);
+    for (int i = 1; i < 8; i++) mx[0] = mx[i] > mx[0] ? mx[i] : mx[0];
+    return !_mm256_movemask_ps(bad) && mx[0] <= FLT_MAX && block_exponent(mx[0], fac, unit);
+}
+
+/* columns c .. c + 7 of x (zero from c1 on) rounded to X = round(x fac) (nearest even, as lrintf), added to *vsum,
+ * and split as X = 65536 X2 + 256 X1 + X0 into signed bytes (|X| < 2^22): the 8 bytes of Xp to out[p] + at */
+AI void block_pieces8(const float *x, int64_t c, int64_t c1, __m256 fac, __m256i *vsum, int8_t *const out[3],
+                      int64_t at) {
+    const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                               0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i X = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_maskload_ps(x + c, lanes8(c1 - c)), fac));
+    *vsum = _mm256_add_epi32(*vsum, X);
+    const __m256i X0 = _mm256_srai_epi32(_mm256_slli_epi32(X, 24), 24);
+    const __m256i R = _mm256_srai_epi32(_mm256_sub_epi32(X, X0), 8); /* exact: a multiple of 256 */
+    const __m256i X1 = _mm256_srai_epi32(_mm256_slli_epi32(R, 24), 24);
+    const __m256i P[3] = {X0, X1, _mm256_srai_epi32(_mm256_sub_epi32(R, X1), 8)};
+    for (int p = 0; p < 3; p++) {
+        const __m256i b = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(P[p], low_bytes),
+                                                      _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
+        _mm_storel_epi64((__m128i *)(out[p] + at), _mm256_castsi256_si128(b));
+    }
+}
+
+/* the sum of the 8 int32 lanes, in int64 */
+static inline int64_t hsum8_epi32(__m256i v) {
+    int32_t s[8];
+    _mm256_storeu_si256((__m256i *)s, v);
+    int64_t sum = 0;
+    for (int i = 0; i < 8; i++) sum += s[i];
+    return sum;
+}
+#endif
+
 #if HAVE_VNNI
 /* block_exponent for x[c0, c1); 0 also if an element is not finite */
 static int block_scale(const float *x, int64_t c0, int64_t c1, __m512 *fac, float *unit) {
@@ -1749,17 +1794,8 @@ static int leech_lut_input(const float *z, int64_t cols, int64_t steps, int8_t *
     const __m256i sixteen = _mm256_set1_epi32(16), low5 = _mm256_set1_epi32(31);
     for (int64_t b = 0; b < nblocks; b++) {
         const int64_t c0 = b * 128, c1 = c0 + 128 < cols ? c0 + 128 : cols;
-        __m256 vmax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
-        const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-        for (int64_t c = c0; c < c1; c += 8) {
-            const __m256 v = _mm256_maskload_ps(z + c, lanes8(c1 - c));
-            bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-            vmax = _mm256_max_ps(vmax, _mm256_and_ps(v, absmask));
-        }
-        float mx[8], fac;
-        _mm256_storeu_ps(mx, vmax);
-        for (int i = 1; i < 8; i++) mx[0] = mx[i] > mx[0] ? mx[i] : mx[0];
-        if (_mm256_movemask_ps(bad) || !(mx[0] <= FLT_MAX) || !block_exponent(mx[0], &fac, &unit[b])) return 0;
+        float fac;
+        if (!block_scale8(z, c0, c1, &fac, &unit[b])) return 0;
         fac *= 15.0f / 64.0f; /* exact: fac is a power of two of at least 2^-107; |X| < 983040 <= 15 (1 + 32 + 1024)
                                * + 31 * 32768 */
         unit[b] = 1.0f / fac;
@@ -1780,11 +1816,7 @@ static int leech_lut_input(const float *z, int64_t cols, int64_t steps, int8_t *
                                  _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(by, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0))));
             }
         }
-        int32_t s8[8];
-        _mm256_storeu_si256((__m256i *)s8, vsum);
-        int64_t sum = 0;
-        for (int i = 0; i < 8; i++) sum += s8[i];
-        zsum[b] = (float)((double)sum * (double)unit[b]);
+        zsum[b] = (float)((double)hsum8_epi32(vsum) * (double)unit[b]);
         for (int64_t cb = 0; cb < 16 && 16 * b + cb < 2 * steps; cb++) { /* plane byte 16 b + cb: 8 coordinates */
             const int64_t B = 16 * b + cb, s = B / 2, a = B % 2;
             for (int p = 0; p < LUT_PIECES; p++) {
@@ -2431,31 +2463,34 @@ static void tiled_tile(const Tiled *a, int64_t t, const int32_t *xd, const float
  * read half a tile (8 rows, 32 bytes of a step) at a time: vpmaddubsw multiplies the code bytes (unsigned) by the
  * broadcast digit bytes (signed) and adds them in pairs into 16-bit lanes, vpaddw sums W steps of those for all the
  * fields of a byte (exact: |a step's sum| <= per * 2 * (2^bits - 1) * 128, W of them below 2^15), and vpmaddwd by
- * ones widens a row's two lanes into its int32 sum. The input is written by a scalar loop. */
+ * ones widens a row's two lanes into its int32 sum. */
 
-/* the input digits of block g (see tiled_block_input_t) */
+/* the input digits of block g (see tiled_block_input_t): 8 columns a vector, then the bytes of 16 columns into their
+ * dword order (step, field) by one shuffle a piece. A block is whole steps (bw is a multiple of 4 per), and the bytes
+ * of a last step's columns past the matrix's end are zero. */
 static int tiled_block_input(const Tiled *a, const float *x, int32_t *xd, float *unit, float *gsum, int64_t g) {
     const int per = 8 / a->bits;
     const int64_t c0 = g * a->bw, c1 = c0 + a->bw < a->cols ? c0 + a->bw : a->cols;
-    float mx = 0.0f, fac;
-    for (int64_t c = c0; c < c1; c++) {
-        const float v = fabsf(x[c]);
-        if (!(v <= FLT_MAX)) return 0; /* NaN or infinite */
-        mx = v > mx ? v : mx;
+    float fac;
+    if (!block_scale8(x, c0, c1, &fac, &unit[g])) return 0;
+    int8_t tp[3][128 + 16]; /* the pieces by column from c0, zero past c1 */
+    memset(tp, 0, sizeof tp);
+    int8_t *const out[3] = {tp[0], tp[1], tp[2]};
+    __m256i vsum = _mm256_setzero_si256(); /* |X| < 2^22, 16 a lane: exact */
+    for (int64_t c = c0; c < c1; c += 8) block_pieces8(x, c, c1, _mm256_set1_ps(fac), &vsum, out, c - c0);
+    /* byte i of dword (s, f) is column 4 per s + per i + f of the 16 (per = 2: two steps; per = 4: one) */
+    const __m128i order = per == 2 ? _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15)
+                                   : _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    for (int64_t cc = 0; cc < c1 - c0; cc += 16) {
+        const int64_t n = c1 - c0 - cc < 16 ? c1 - c0 - cc : 16, ndw = (n + 4 * per - 1) / (4 * per) * per;
+        int32_t w[3][4];
+        for (int p = 0; p < 3; p++)
+            _mm_storeu_si128((__m128i *)w[p], _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(tp[p] + cc)), order));
+        int32_t *o = xd + ((c0 + cc) / 4) * 3; /* dword (k per + f) * 3 + p, k = c / (4 per) */
+        for (int64_t j = 0; j < ndw; j++)
+            for (int p = 0; p < 3; p++) o[3 * j + p] = w[p][j];
     }
-    if (!block_exponent(mx, &fac, &unit[g])) return 0;
-    int8_t *d = (int8_t *)xd;
-    int64_t sum = 0;
-    for (int64_t c = c0; c < c1; c++) {
-        const int32_t X = (int32_t)lrintf(x[c] * fac);
-        sum += X;
-        const int32_t X0 = (int8_t)(X & 0xff), R = (X - X0) >> 8, X1 = (int8_t)(R & 0xff);
-        const int64_t k = c / (4 * per), w = c % (4 * per), at = ((k * per + w % per) * 3) * 4 + w / per;
-        d[at] = (int8_t)X0;
-        d[at + 4] = (int8_t)X1;
-        d[at + 8] = (int8_t)((R - X1) >> 8);
-    }
-    gsum[g] = (float)((double)sum * (double)unit[g]);
+    gsum[g] = (float)((double)hsum8_epi32(vsum) * (double)unit[g]);
     return 1;
 }
 
@@ -2856,30 +2891,26 @@ static void base3_tile(const Base3 *a, int64_t t, const int32_t *xd, const int64
  * when t < w) and d = 2 - [t = r1] - [r1 = r2]; then vpmaddubsw against the input digits of its columns. A step adds
  * at most 5 * 2 * 2 * 128 to a 16-bit sum, so a block's (at most 8 steps) stays exact. */
 
-/* the input digits of block b (see the VNNI base3_block_input), by a scalar loop */
+/* the input digits of block b (see the VNNI base3_block_input): 8 columns a vector, then each step's 60 bytes */
 static int base3_block_input(const Base3 *a, const float *x, int32_t *xd, const int64_t *xoff, float *unit,
                              float *gsum, int64_t b) {
     const int64_t c0 = b * a->bw, c1 = c0 + a->bw < a->cols ? c0 + a->bw : a->cols, k0 = c0 / 20;
-    float mx = 0.0f, fac;
-    for (int64_t c = c0; c < c1; c++) {
-        const float v = fabsf(x[c]);
-        if (!(v <= FLT_MAX)) return 0; /* NaN or infinite */
-        mx = v > mx ? v : mx;
-    }
-    if (!block_exponent(mx, &fac, &unit[b])) return 0;
+    float fac;
+    if (!block_scale8(x, c0, c1, &fac, &unit[b])) return 0;
+    /* the pieces by column from the block's first step, zero outside the block: tp[p][c - 20 k0]; a block of at most
+     * 128 columns touches at most 8 steps (160 columns) */
+    int8_t tp[3][256];
+    memset(tp, 0, sizeof tp);
+    int8_t *const out[3] = {tp[0], tp[1], tp[2]};
+    __m256i vsum = _mm256_setzero_si256();
+    for (int64_t c = c0; c < c1; c += 8) block_pieces8(x, c, c1, _mm256_set1_ps(fac), &vsum, out, c - 20 * k0);
     int8_t *d = (int8_t *)(xd + xoff[b]);
-    memset(d, 0, (size_t)(xoff[b + 1] - xoff[b]) * sizeof(int32_t));
-    int64_t sum = 0;
-    for (int64_t c = c0; c < c1; c++) {
-        const int32_t X = (int32_t)lrintf(x[c] * fac);
-        sum += X;
-        const int32_t X0 = (int8_t)(X & 0xff), R = (X - X0) >> 8, X1 = (int8_t)(R & 0xff);
-        const int64_t w = c % 20, at = ((c / 20 - k0) * 15 + (w % 5) * 3) * 4 + w / 5;
-        d[at] = (int8_t)X0;
-        d[at + 4] = (int8_t)X1;
-        d[at + 8] = (int8_t)((R - X1) >> 8);
-    }
-    gsum[b] = (float)((double)sum * (double)unit[b]);
+    const int64_t nsteps = (xoff[b + 1] - xoff[b]) / 15;
+    for (int64_t k = 0; k < nsteps; k++)
+        for (int j = 0; j < 5; j++)
+            for (int p = 0; p < 3; p++)
+                for (int i = 0; i < 4; i++) d[(k * 15 + j * 3 + p) * 4 + i] = tp[p][20 * k + 5 * i + j];
+    gsum[b] = (float)((double)hsum8_epi32(vsum) * (double)unit[b]);
     return 1;
 }
 
