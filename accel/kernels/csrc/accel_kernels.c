@@ -1760,12 +1760,12 @@ static void onehot_int_tile(const uint8_t *tile, int64_t steps, const uint32_t *
 /* Without AVX-512 there is no gf2p8affineqb to turn a row's four plane bytes into nibbles, and the bit-by-bit
  * transpose costs more than the products. So the AVX2 kernel reads the same tile copy and looks the planes up
  * instead, as the row kernels do, but in bytes (32 lookups a vpshufb, against 8 floats a vpermps):
- * - z is rounded per block of 128 coordinates to X = round(z fac), |X| < 2^22 * 15 / 64 < 2^20 (the VNNI tiles'
- *   block scale times 15 / 64), and written as four digits, X = sum_p 32^p d_p, d_0..d_2 in [-16, 15] (balanced
- *   base 32) and d_3 in [-32, 31];
+ * - z is rounded per block of 128 coordinates to X = round(z fac), |X| <= 2^22 * 15 / 128 = 491520 (the VNNI tiles'
+ *   block scale times 15 / 128), and written as four balanced base-32 digits, X = sum_p 32^p d_p, d_0..d_2 in
+ *   [-16, 15] and d_3 in [-15, 15];
  * - per coordinate nibble (4 coordinates of a plane byte) and digit p, a 16-entry byte table holds the subset sums
- *   of the 4 coordinates' d_p (built once a call): a lookup is one vpshufb for 32 (row, plane) bytes, and for
- *   d_0..d_2 the two nibbles of a byte add in int8 (8 digits: [-128, 120]; d_3 takes a vpmaddubsw a nibble);
+ *   of the 4 coordinates' d_p (built once a call): a lookup is one vpshufb for 32 (row, plane) bytes, and the two
+ *   nibbles of a byte add in int8 (8 digits: [-128, 120]);
  * - the top plane is stored complemented (u = v + 8 has the top bit flipped, sum v z = sum u z - 8 sum z, with the
  *   block sums of the rounded z), so the plane weights 8, 4, 2, 1 are unsigned and vpmaddubsw applies them to the
  *   signed sums and adds plane pairs into 16-bit lanes; a block's 8 steps stay below 2^15 (|8 a + 4 b| <= 12 * 128
@@ -1775,7 +1775,10 @@ static void onehot_int_tile(const uint8_t *tile, int64_t steps, const uint32_t *
  * so every 128-bit lane of A or B reads one table as loaded (docs/kernels.md, "AVX2 Leech tiles"). */
 #if HAVE_AVX2
 #define HAVE_LEECH_LUT 1
-#define LUT_PIECES 4 /* digits of 5, 5, 5 and 6 bits (5 digits of 5 bits, |X| < 2^22: measured 1.14x slower) */
+/* digits of 5 bits, so that every digit's nibble sums add in int8 and one 16-bit sum a digit holds a block (a 6-bit
+ * top digit, |X| < 2^20, took two lookups and products and a second sum: 4 more registers with both halves of a step
+ * at once; 5 digits, |X| < 2^22: measured 1.14x slower) */
+#define LUT_PIECES 4
 
 /* the 16-byte tables tabs[((s * LUT_PIECES + p) * 4 + 2 a + h) * 16 + n] (step s, plane byte 2s + a, nibble h,
  * digit p) and per block of 8 steps unit[b] and zsum[b] = unit * sum X; 0 if an element is not finite */
@@ -1796,8 +1799,8 @@ static int leech_lut_input(const float *z, int64_t cols, int64_t steps, int8_t *
         const int64_t c0 = b * 128, c1 = c0 + 128 < cols ? c0 + 128 : cols;
         float fac;
         if (!block_scale8(z, c0, c1, &fac, &unit[b])) return 0;
-        fac *= 15.0f / 64.0f; /* exact: fac is a power of two of at least 2^-107; |X| < 983040 <= 15 (1 + 32 + 1024)
-                               * + 31 * 32768 */
+        fac *= 15.0f / 128.0f; /* exact: fac is a power of two of at least 2^-107; |X| <= 491520 = 15 * 32768, so
+                                * d_3 = (X - d_0 - 32 d_1 - 1024 d_2) / 32768 is within 15 + 16 * 1057 / 32768 */
         unit[b] = 1.0f / fac;
         int8_t d[LUT_PIECES][128]; /* the block's digits, zero past the columns */
         __m256i vsum = _mm256_setzero_si256();
@@ -1834,38 +1837,45 @@ static int leech_lut_input(const float *z, int64_t cols, int64_t steps, int8_t *
 
 #define LUT_LOOKUP(t, ix) _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(t))), ix)
 /* 32 (row, plane) bytes of one plane byte per 128-bit lane (lo, hi: their nibbles), looked up in that byte's tables
- * t (digit p at t + 64 p, the high nibble's 16 bytes on), into the 16-bit sums acc[p] and, for the top digit, *top */
-AI void lut_byte(__m256i lo, __m256i hi, const int8_t *t, __m256i *acc, __m256i *top) {
+ * t (digit p at t + 64 p, the high nibble's 16 bytes on), into the 16-bit sums acc[p] */
+AI void lut_byte(__m256i lo, __m256i hi, const int8_t *t, __m256i *acc) {
     const __m256i w = _mm256_set1_epi32(0x01020408); /* bytes: planes 3, 2, 1, 0 */
-    for (int p = 0; p < LUT_PIECES - 1; p++) /* 5-bit digits: the byte's two nibbles add in int8 */
+    for (int p = 0; p < LUT_PIECES; p++) /* the byte's two nibbles add in int8 */
         maddubs_add(&acc[p], w, _mm256_add_epi8(LUT_LOOKUP(t + 64 * p, lo), LUT_LOOKUP(t + 64 * p + 16, hi)));
-    const int8_t *tt = t + 64 * (LUT_PIECES - 1); /* the 6-bit top digit: a nibble's sums fill a byte */
-    maddubs_add(top, w, LUT_LOOKUP(tt, lo));
-    maddubs_add(top, w, LUT_LOOKUP(tt + 16, hi));
 }
 #undef LUT_LOOKUP
 
 AI __m256i lut_low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
 AI __m256i lut_high_nibbles(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f)); }
 
-/* a block's 16-bit sums of 8 rows (acc[LUT_PIECES]: the top digit's second accumulator) as float row sums * unit */
-AI __m256 lut_block_dot(const __m256i acc[LUT_PIECES + 1], float unit) {
+/* a block's 16-bit sums of 8 rows as float row sums * unit */
+AI __m256 lut_block_dot(const __m256i acc[LUT_PIECES], float unit) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i s[LUT_PIECES];
     for (int p = 0; p < LUT_PIECES; p++) s[p] = _mm256_madd_epi16(acc[p], ones);
-    s[LUT_PIECES - 1] = _mm256_add_epi32(s[LUT_PIECES - 1], _mm256_madd_epi16(acc[LUT_PIECES], ones));
-    /* sum_p 32^p s_p, exact in int32: |s_p| <= 128 * 15 * 32, so |sum| < 2^31 */
+    /* sum_p 32^p s_p, exact in int32: |s_p| <= 128 * 15 * 16, so |sum| < 2^31 */
     const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(s[0], _mm256_slli_epi32(s[1], 5)),
                                          _mm256_add_epi32(_mm256_slli_epi32(s[2], 10), _mm256_slli_epi32(s[3], 15)));
     return _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(unit));
 }
 
-/* a step's 8 rows (half h of the tile copy: A, then B, as they are used) into the 16-bit sums acc */
-AI void leech_lut_step(const uint8_t *q, const int8_t *tk, __m256i acc[LUT_PIECES + 1]) {
-    const __m256i A = _mm256_loadu_si256((const __m256i *)q), B = _mm256_loadu_si256((const __m256i *)(q + 32));
-    /* the top digit in two accumulators (A, B), as 8 steps of both would not fit 16 bits */
-    lut_byte(lut_low_nibbles(A), lut_high_nibbles(A), tk, acc, &acc[LUT_PIECES - 1]);
-    lut_byte(lut_low_nibbles(B), lut_high_nibbles(B), tk + 32, acc, &acc[LUT_PIECES]);
+/* a step's 16 rows into the 16-bit sums acc[h] of its halves (h: rows 8h .. 8h+7), each half A then B as they are
+ * used; both halves at once, so each table is loaded once for the two */
+AI void leech_lut_step(const uint8_t *q, const int8_t *tk, __m256i acc[2][LUT_PIECES]) {
+    const __m256i w = _mm256_set1_epi32(0x01020408); /* bytes: planes 3, 2, 1, 0 */
+    for (int a = 0; a < 2; a++) { /* A, then B */
+        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(q + 32 * a));
+        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(q + 64 + 32 * a));
+        const __m256i lo0 = lut_low_nibbles(v0), hi0 = lut_high_nibbles(v0);
+        const __m256i lo1 = lut_low_nibbles(v1), hi1 = lut_high_nibbles(v1);
+        for (int p = 0; p < LUT_PIECES; p++) {
+            const int8_t *t = tk + 64 * p + 32 * a;
+            const __m256i tl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)t));
+            const __m256i th = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(t + 16)));
+            maddubs_add(&acc[0][p], w, _mm256_add_epi8(_mm256_shuffle_epi8(tl, lo0), _mm256_shuffle_epi8(th, hi0)));
+            maddubs_add(&acc[1][p], w, _mm256_add_epi8(_mm256_shuffle_epi8(tl, lo1), _mm256_shuffle_epi8(th, hi1)));
+        }
+    }
 }
 
 /* out[i] = sum_c v_c z_c for the 16 rows of tile t of a tiled 4-plane stage */
@@ -1879,18 +1889,15 @@ static void leech_lut_tile(const uint8_t *tiles, int64_t steps, int64_t t, const
         const int64_t b = (bi % TILE_STREAMS) * part + bi / TILE_STREAMS;
         if (b >= nblocks) continue;
         const int64_t k1 = b * 8 + 8 < steps ? b * 8 + 8 : steps;
-        for (int h = 0; h < 2; h++) {
-            __m256i acc[LUT_PIECES + 1];
-            for (int p = 0; p <= LUT_PIECES; p++) acc[p] = _mm256_setzero_si256();
-            for (int64_t k = b * 8; k < k1; k++) {
-                if (!h) {
-                    prefetch_line(base + k * 128, steps * 128); /* and the next tile's line */
-                    prefetch_line(base + k * 128 + 64, steps * 128);
-                }
-                leech_lut_step(base + k * 128 + h * 64, tabs + k * LUT_PIECES * 64, acc);
-            }
-            total[h] = _mm256_add_ps(total[h], lut_block_dot(acc, unit[b])); /* rows 0, 4, 1, 5, 2, 6, 3, 7 */
+        __m256i acc[2][LUT_PIECES];
+        for (int h = 0; h < 2; h++)
+            for (int p = 0; p < LUT_PIECES; p++) acc[h][p] = _mm256_setzero_si256();
+        for (int64_t k = b * 8; k < k1; k++) {
+            prefetch_line(base + k * 128, steps * 128); /* and the next tile's line */
+            prefetch_line(base + k * 128 + 64, steps * 128);
+            leech_lut_step(base + k * 128, tabs + k * LUT_PIECES * 64, acc);
         }
+        for (int h = 0; h < 2; h++) total[h] = _mm256_add_ps(total[h], lut_block_dot(acc[h], unit[b]));
         corr -= 8.0f * zsum[b]; /* sum v z = sum u z - 8 sum z */
     }
     const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
@@ -1903,7 +1910,7 @@ static void leech_lut_tile(const uint8_t *tiles, int64_t steps, int64_t t, const
  * 4 x 4 byte transpose per row (one vpshufb a plane, two rounds of unpacks) gives four registers of one plane byte
  * each, rows 0-3 | 4-7 with their planes 3..0 in a dword, looked up as the 4-plane tiles are. */
 AI void onehot_lut_step(const uint8_t *tile, int64_t k, int h, int64_t ahead, const uint32_t *pw, int64_t pwords,
-                        const int8_t *tk, __m256i acc[LUT_PIECES + 1], const int K) {
+                        const int8_t *tk, __m256i acc[LUT_PIECES], const int K) {
     const int nb = onehot_value_bits(K);
     const uint8_t *q = tile + k * (K + 1) * 64 + 32 * h;
     if (!h)
@@ -1924,8 +1931,7 @@ AI void onehot_lut_step(const uint8_t *tile, int64_t k, int h, int64_t ahead, co
     const __m256i C[4] = {_mm256_unpacklo_epi16(t32, t10), _mm256_unpackhi_epi16(t32, t10),
                           _mm256_unpacklo_epi16(u32, u10), _mm256_unpackhi_epi16(u32, u10)};
     for (int b = 0; b < 4; b++) /* plane byte 4k + b: tables of step 2k + b / 2, byte b % 2 */
-        lut_byte(lut_low_nibbles(C[b]), lut_high_nibbles(C[b]), tk + (b / 2) * LUT_PIECES * 64 + (b % 2) * 32, acc,
-                 &acc[LUT_PIECES - 1 + b % 2]);
+        lut_byte(lut_low_nibbles(C[b]), lut_high_nibbles(C[b]), tk + (b / 2) * LUT_PIECES * 64 + (b % 2) * 32, acc);
 }
 
 /* out[i] = sum_c v_c z_c for the 16 rows of a onehot tile (steps of 32 coordinates; pw: its parity words) */
@@ -1939,8 +1945,8 @@ AI void onehot_lut_tile_t(const uint8_t *tile, int64_t steps, const uint32_t *pw
         const int64_t b = (bi % TILE_STREAMS) * part + bi / TILE_STREAMS, k1 = 4 * b + 4 < steps ? 4 * b + 4 : steps;
         if (b >= nblocks) continue;
         for (int h = 0; h < 2; h++) {
-            __m256i acc[LUT_PIECES + 1];
-            for (int p = 0; p <= LUT_PIECES; p++) acc[p] = _mm256_setzero_si256();
+            __m256i acc[LUT_PIECES];
+            for (int p = 0; p < LUT_PIECES; p++) acc[p] = _mm256_setzero_si256();
             for (int64_t k = 4 * b; k < k1; k++)
                 onehot_lut_step(tile, k, h, ahead, pw, pwords, tabs + 2 * k * LUT_PIECES * 64, acc, K);
             total[h] = _mm256_add_ps(total[h], lut_block_dot(acc, unit[b]));
