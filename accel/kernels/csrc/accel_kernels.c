@@ -2056,8 +2056,9 @@ static void leech_rows(const Leech *L, const float *z, const float *zb, float *t
                 const int onehot = L->layout[s] == LEECH_ONEHOT;
                 const uint8_t *par = base + (onehot ? L->param[s] + 1 : L->param[s]) * plane;
                 const int64_t tbytes = onehot ? ((rowbytes + 3) / 4) * (L->param[s] + 1) * 64 : tsteps * 128;
-                const uint32_t *pw = L->tiled[s] ? (const uint32_t *)(L->tiled[s] + tiles * tbytes) + tile * pwords * 16
-                                                 : NULL; /* the tile's parity words, after the tiles */
+                /* the tile's parity words, after the tiles (unread by the scalar build) */
+                __attribute__((unused)) const uint32_t *pw =
+                    L->tiled[s] ? (const uint32_t *)(L->tiled[s] + tiles * tbytes) + tile * pwords * 16 : NULL;
                 if (onehot && !(g_simd && L->tiled[s] && tile_kernels))
                     for (int i = 0; i < nr; i++)
                         spread_parity(par, parbytes, (r0 + i) * L->nblk, L->nblk, pm + i * rowbytes);
