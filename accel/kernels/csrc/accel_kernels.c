@@ -2895,8 +2895,9 @@ static void base3_tile(const Base3 *a, int64_t t, const int32_t *xd, const int64
 #if HAVE_TILES_AVX2
 /* Base-3 tiles on AVX2: half a tile (8 rows) at a time as the 4- and 2-bit ones. A digit of weight w comes off by
  * two conditional subtractions (r1 = min(t, t - w), r2 = min(r1, r1 - w), bytes unsigned, so t - w wraps above t
- * when t < w) and d = 2 - [t = r1] - [r1 = r2]; then vpmaddubsw against the input digits of its columns. A step adds
- * at most 5 * 2 * 2 * 128 to a 16-bit sum, so a block's (at most 8 steps) stays exact. */
+ * when t < w) and d = 2 - [t = r1] - [r1 = r2] (the last two digits of the rest below 9 by byte lookups); then
+ * vpmaddubsw against the input digits of its columns. A step adds at most 5 * 2 * 2 * 128 to a 16-bit sum, so a
+ * block's (at most 8 steps) stays exact. */
 
 /* the input digits of block b (see the VNNI base3_block_input): 8 columns a vector, then each step's 60 bytes */
 static int base3_block_input(const Base3 *a, const float *x, int32_t *xd, const int64_t *xoff, float *unit,
@@ -2921,13 +2922,19 @@ static int base3_block_input(const Base3 *a, const float *x, int32_t *xd, const 
     return 1;
 }
 
-/* digit of weight w off both halves' bytes t[h] (left with the rest), times the 3 input pieces at xs */
+/* digit of weight w off both halves' bytes t[h] (left with the rest), times the 3 input pieces at xs; w = 3 (the rest
+ * below 9) by two byte lookups, which take the shuffle pipes the products leave free */
 AI void base3_digit_avx2(__m256i s16[2][3], __m256i t[2], const int w, const int32_t *xs) {
     const __m256i vw = _mm256_set1_epi8((char)w), two = _mm256_set1_epi8(2);
     const __m256i x0 = _mm256_set1_epi32(xs[0]), x1 = _mm256_set1_epi32(xs[1]), x2 = _mm256_set1_epi32(xs[2]);
     for (int h = 0; h < 2; h++) {
         __m256i d = t[h];
-        if (w > 1) {
+        if (w == 3) {
+            const __m128i div3 = _mm_setr_epi8(0, 0, 0, 1, 1, 1, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0);
+            const __m128i mod3 = _mm_setr_epi8(0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 0, 0, 0, 0, 0, 0);
+            d = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(div3), t[h]);
+            t[h] = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(mod3), t[h]);
+        } else if (w > 1) {
             const __m256i r1 = _mm256_min_epu8(t[h], _mm256_sub_epi8(t[h], vw));
             const __m256i r2 = _mm256_min_epu8(r1, _mm256_sub_epi8(r1, vw));
             d = _mm256_add_epi8(_mm256_add_epi8(two, _mm256_cmpeq_epi8(t[h], r1)), _mm256_cmpeq_epi8(r1, r2));
