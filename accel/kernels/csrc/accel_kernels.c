@@ -1503,23 +1503,26 @@ static int block_scale8(const float *x, int64_t c0, int64_t c1, float *fac, floa
     return !_mm256_movemask_ps(bad) && mx[0] <= FLT_MAX && block_exponent(mx[0], fac, unit);
 }
 
+/* the low bytes of the 8 int32 lanes of v to dst[0 .. 7] */
+AI void store_low_bytes8(int8_t *dst, __m256i v) {
+    const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                               0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i b = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(v, low_bytes),
+                                                  _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
+    _mm_storel_epi64((__m128i *)dst, _mm256_castsi256_si128(b));
+}
+
 /* columns c .. c + 7 of x (zero from c1 on) rounded to X = round(x fac) (nearest even, as lrintf), added to *vsum,
  * and split as X = 65536 X2 + 256 X1 + X0 into signed bytes (|X| < 2^22): the 8 bytes of Xp to out[p] + at */
 AI void block_pieces8(const float *x, int64_t c, int64_t c1, __m256 fac, __m256i *vsum, int8_t *const out[3],
                       int64_t at) {
-    const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                               0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
     const __m256i X = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_maskload_ps(x + c, lanes8(c1 - c)), fac));
     *vsum = _mm256_add_epi32(*vsum, X);
     const __m256i X0 = _mm256_srai_epi32(_mm256_slli_epi32(X, 24), 24);
     const __m256i R = _mm256_srai_epi32(_mm256_sub_epi32(X, X0), 8); /* exact: a multiple of 256 */
     const __m256i X1 = _mm256_srai_epi32(_mm256_slli_epi32(R, 24), 24);
     const __m256i P[3] = {X0, X1, _mm256_srai_epi32(_mm256_sub_epi32(R, X1), 8)};
-    for (int p = 0; p < 3; p++) {
-        const __m256i b = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(P[p], low_bytes),
-                                                      _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
-        _mm_storel_epi64((__m128i *)(out[p] + at), _mm256_castsi256_si128(b));
-    }
+    for (int p = 0; p < 3; p++) store_low_bytes8(out[p] + at, P[p]);
 }
 
 /* the sum of the 8 int32 lanes, in int64 */
@@ -1792,8 +1795,6 @@ static int leech_lut_input(const float *z, int64_t cols, int64_t steps, int8_t *
         const __m128i mm = _mm_loadu_si128((const __m128i *)m);
         bit[t] = _mm256_setr_m128i(mm, mm);
     }
-    const __m256i to_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                              0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
     const __m256i sixteen = _mm256_set1_epi32(16), low5 = _mm256_set1_epi32(31);
     for (int64_t b = 0; b < nblocks; b++) {
         const int64_t c0 = b * 128, c1 = c0 + 128 < cols ? c0 + 128 : cols;
@@ -1814,9 +1815,7 @@ static int leech_lut_input(const float *z, int64_t cols, int64_t steps, int8_t *
                                        ? X
                                        : _mm256_sub_epi32(_mm256_and_si256(_mm256_add_epi32(X, sixteen), low5), sixteen);
                 X = _mm256_srai_epi32(_mm256_sub_epi32(X, dp), 5);
-                const __m256i by = _mm256_shuffle_epi8(dp, to_bytes); /* bytes 0-3 of each lane */
-                _mm_storel_epi64((__m128i *)(d[p] + i),
-                                 _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(by, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0))));
+                store_low_bytes8(d[p] + i, dp);
             }
         }
         zsum[b] = (float)((double)hsum8_epi32(vsum) * (double)unit[b]);
@@ -1835,15 +1834,18 @@ static int leech_lut_input(const float *z, int64_t cols, int64_t steps, int8_t *
     return 1;
 }
 
-#define LUT_LOOKUP(t, ix) _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(t))), ix)
-/* 32 (row, plane) bytes of one plane byte per 128-bit lane (lo, hi: their nibbles), looked up in that byte's tables
- * t (digit p at t + 64 p, the high nibble's 16 bytes on), into the 16-bit sums acc[p] */
-AI void lut_byte(__m256i lo, __m256i hi, const int8_t *t, __m256i *acc) {
+/* n registers of 32 (row, plane) bytes, each of one plane byte per 128-bit lane (lo[i], hi[i]: their nibbles),
+ * looked up in that byte's tables t (digit p at t + 64 p, the high nibble's 16 bytes on), each table loaded once for
+ * the n, into the 16-bit sums acc[i][p] */
+AI void lut_bytes(const __m256i *lo, const __m256i *hi, const int n, const int8_t *t, __m256i (*acc)[LUT_PIECES]) {
     const __m256i w = _mm256_set1_epi32(0x01020408); /* bytes: planes 3, 2, 1, 0 */
-    for (int p = 0; p < LUT_PIECES; p++) /* the byte's two nibbles add in int8 */
-        maddubs_add(&acc[p], w, _mm256_add_epi8(LUT_LOOKUP(t + 64 * p, lo), LUT_LOOKUP(t + 64 * p + 16, hi)));
+    for (int p = 0; p < LUT_PIECES; p++) {
+        const __m256i tl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(t + 64 * p)));
+        const __m256i th = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(t + 64 * p + 16)));
+        for (int i = 0; i < n; i++) /* the byte's two nibbles add in int8 */
+            maddubs_add(&acc[i][p], w, _mm256_add_epi8(_mm256_shuffle_epi8(tl, lo[i]), _mm256_shuffle_epi8(th, hi[i])));
+    }
 }
-#undef LUT_LOOKUP
 
 AI __m256i lut_low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0f)); }
 AI __m256i lut_high_nibbles(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f)); }
@@ -1862,19 +1864,12 @@ AI __m256 lut_block_dot(const __m256i acc[LUT_PIECES], float unit) {
 /* a step's 16 rows into the 16-bit sums acc[h] of its halves (h: rows 8h .. 8h+7), each half A then B as they are
  * used; both halves at once, so each table is loaded once for the two */
 AI void leech_lut_step(const uint8_t *q, const int8_t *tk, __m256i acc[2][LUT_PIECES]) {
-    const __m256i w = _mm256_set1_epi32(0x01020408); /* bytes: planes 3, 2, 1, 0 */
     for (int a = 0; a < 2; a++) { /* A, then B */
-        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(q + 32 * a));
-        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(q + 64 + 32 * a));
-        const __m256i lo0 = lut_low_nibbles(v0), hi0 = lut_high_nibbles(v0);
-        const __m256i lo1 = lut_low_nibbles(v1), hi1 = lut_high_nibbles(v1);
-        for (int p = 0; p < LUT_PIECES; p++) {
-            const int8_t *t = tk + 64 * p + 32 * a;
-            const __m256i tl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)t));
-            const __m256i th = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(t + 16)));
-            maddubs_add(&acc[0][p], w, _mm256_add_epi8(_mm256_shuffle_epi8(tl, lo0), _mm256_shuffle_epi8(th, hi0)));
-            maddubs_add(&acc[1][p], w, _mm256_add_epi8(_mm256_shuffle_epi8(tl, lo1), _mm256_shuffle_epi8(th, hi1)));
-        }
+        const __m256i v[2] = {_mm256_loadu_si256((const __m256i *)(q + 32 * a)),
+                              _mm256_loadu_si256((const __m256i *)(q + 64 + 32 * a))};
+        const __m256i lo[2] = {lut_low_nibbles(v[0]), lut_low_nibbles(v[1])};
+        const __m256i hi[2] = {lut_high_nibbles(v[0]), lut_high_nibbles(v[1])};
+        lut_bytes(lo, hi, 2, tk + 32 * a, acc);
     }
 }
 
@@ -1910,7 +1905,7 @@ static void leech_lut_tile(const uint8_t *tiles, int64_t steps, int64_t t, const
  * 4 x 4 byte transpose per row (one vpshufb a plane, two rounds of unpacks) gives four registers of one plane byte
  * each, rows 0-3 | 4-7 with their planes 3..0 in a dword, looked up as the 4-plane tiles are. */
 AI void onehot_lut_step(const uint8_t *tile, int64_t k, int h, int64_t ahead, const uint32_t *pw, int64_t pwords,
-                        const int8_t *tk, __m256i acc[LUT_PIECES], const int K) {
+                        const int8_t *tk, __m256i acc[1][LUT_PIECES], const int K) {
     const int nb = onehot_value_bits(K);
     const uint8_t *q = tile + k * (K + 1) * 64 + 32 * h;
     if (!h)
@@ -1930,8 +1925,10 @@ AI void onehot_lut_step(const uint8_t *tile, int64_t k, int h, int64_t ahead, co
     const __m256i u32 = _mm256_unpackhi_epi8(T[3], T[2]), u10 = _mm256_unpackhi_epi8(T[1], T[0]);
     const __m256i C[4] = {_mm256_unpacklo_epi16(t32, t10), _mm256_unpackhi_epi16(t32, t10),
                           _mm256_unpacklo_epi16(u32, u10), _mm256_unpackhi_epi16(u32, u10)};
-    for (int b = 0; b < 4; b++) /* plane byte 4k + b: tables of step 2k + b / 2, byte b % 2 */
-        lut_byte(lut_low_nibbles(C[b]), lut_high_nibbles(C[b]), tk + (b / 2) * LUT_PIECES * 64 + (b % 2) * 32, acc);
+    for (int b = 0; b < 4; b++) { /* plane byte 4k + b: tables of step 2k + b / 2, byte b % 2 */
+        const __m256i lo = lut_low_nibbles(C[b]), hi = lut_high_nibbles(C[b]);
+        lut_bytes(&lo, &hi, 1, tk + (b / 2) * LUT_PIECES * 64 + (b % 2) * 32, acc);
+    }
 }
 
 /* out[i] = sum_c v_c z_c for the 16 rows of a onehot tile (steps of 32 coordinates; pw: its parity words) */
@@ -1945,11 +1942,11 @@ AI void onehot_lut_tile_t(const uint8_t *tile, int64_t steps, const uint32_t *pw
         const int64_t b = (bi % TILE_STREAMS) * part + bi / TILE_STREAMS, k1 = 4 * b + 4 < steps ? 4 * b + 4 : steps;
         if (b >= nblocks) continue;
         for (int h = 0; h < 2; h++) {
-            __m256i acc[LUT_PIECES];
-            for (int p = 0; p < LUT_PIECES; p++) acc[p] = _mm256_setzero_si256();
+            __m256i acc[1][LUT_PIECES];
+            for (int p = 0; p < LUT_PIECES; p++) acc[0][p] = _mm256_setzero_si256();
             for (int64_t k = 4 * b; k < k1; k++)
                 onehot_lut_step(tile, k, h, ahead, pw, pwords, tabs + 2 * k * LUT_PIECES * 64, acc, K);
-            total[h] = _mm256_add_ps(total[h], lut_block_dot(acc, unit[b]));
+            total[h] = _mm256_add_ps(total[h], lut_block_dot(acc[0], unit[b]));
         }
         corr -= 8.0f * zsum[b]; /* sum v z = sum u z - 8 sum z */
     }
