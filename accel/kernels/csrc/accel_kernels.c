@@ -1779,8 +1779,8 @@ static void onehot_int_tile(const uint8_t *tile, int64_t steps, const uint32_t *
 #if HAVE_AVX2
 #define HAVE_LEECH_LUT 1
 /* digits of 5 bits, so that every digit's nibble sums add in int8 and one 16-bit sum a digit holds a block (a 6-bit
- * top digit, |X| < 2^20, took two lookups and products and a second sum: 4 more registers with both halves of a step
- * at once; 5 digits, |X| < 2^22: measured 1.14x slower) */
+ * top digit, |X| < 2^20, took a product a nibble and a second sum, measured no faster; 5 digits, |X| < 2^22: measured
+ * 1.14x slower) */
 #define LUT_PIECES 4
 
 /* the 16-byte tables tabs[((s * LUT_PIECES + p) * 4 + 2 a + h) * 16 + n] (step s, plane byte 2s + a, nibble h,
