@@ -70,4 +70,5 @@ def test_read_probe_reads_every_element():
         pytest.skip("no C compiler for the accel CPU kernels")
     src = (np.arange(100_003) % 7).astype(np.float32)
     for threads in (1, 2, 3):
-        assert library().accel_read(src.ctypes.data, src.size, threads) == float(src.sum(dtype=np.float64))
+        for streams in (1, 2):
+            assert library().accel_read(src.ctypes.data, src.size, threads, streams) == float(src.sum(dtype=np.float64))

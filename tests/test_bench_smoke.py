@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 RUNS = {
     "gemv": (["bench/gemv.py", "--quick", "--shapes", "576x576,1536x576", "--footprint", "1", "--json"],
-             {"copy_gbps", "read_gbps", "rows", "goals"}),
+             {"copy_gbps", "read_gbps", "read_patterns_gbps", "rows", "goals"}),
     "state_update": (["bench/state_update.py", "--quick", "--json"], {"bench", "rows"}),
     "leech_encode": (["bench/leech_encode.py", "--quick", "--json"], {"benchmark", "rows"}),
     "damp": (["bench/damp.py", "--quick", "--fixtures", "tiny-gdn", "--json"], {"bench", "fixtures"}),
