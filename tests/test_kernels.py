@@ -123,6 +123,35 @@ def test_affine_tiled_integer_kernel(rng, shape, levels, symmetric, group):
     assert not np.isfinite(kw.matvec(x)).any()
 
 
+@pytest.mark.parametrize("symmetric,group", [(False, 64), (True, 128), (False, 32), (False, 16), (True, 4096)])
+def test_int2_field_extractions_agree_bit_for_bit(rng, symmetric, group):
+    """The two ways the VNNI tiles take 2-bit fields out of a byte (one bit-matrix product, or a shift and an AND:
+    the CPU decides which runs) give the same bits, at every unrolled block length and the generic loop."""
+
+    lib = _build.library()
+    shape = (37, 4096 if group == 4096 else 1000)
+    entry, arrays = encode_tensor("w", rng.standard_normal(shape), "affine", layout="packed", levels=4, group=group,
+                                  symmetric=symmetric)
+    parts = _parts(entry, arrays)
+    if not lib.accel_tiled_kinds() & (1 << 2) or lib.accel_simd_available() != 512:
+        pytest.skip("this CPU or compiler has no VNNI tile kernel for 2-bit codes")
+    from accel.kernels import kernel_weight
+
+    kw = kernel_weight(entry, parts)
+    assert kw.tiled
+    x = rng.standard_normal(shape[1]).astype(np.float32)
+    native = lib.accel_fields_by_shift(-1)
+    outs = {}
+    try:
+        for mode in (0, 1):
+            assert lib.accel_fields_by_shift(mode) == mode
+            outs[mode] = kw.matvec(x, np.full(shape[0], np.nan, dtype=np.float32))
+    finally:
+        lib.accel_fields_by_shift(native)
+    assert np.array_equal(outs[0], outs[1])
+    assert _rel(outs[0], reference_matvec(entry, parts, x)) < 1e-5
+
+
 @pytest.mark.parametrize("shape", [(1, 23), (17, 200), (40, 1027)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("symmetric,group", [(False, 64), (True, 7), (False, 4096), (True, 45), (False, 100)])
 def test_base3_tile_copy(rng, shape, symmetric, group):

@@ -129,6 +129,7 @@ _SIGNATURES = {
     "accel_simd_available": ([], _i32),
     "accel_openmp_available": ([], _i32),
     "accel_set_simd": ([_i32], _i32),
+    "accel_fields_by_shift": ([_i32], _i32),
     "accel_half_to_float": ([ctypes.c_uint16], _f32),
     "accel_rht": ([_ptr, _i64, _i64, _ptr, _ptr, _i64, _i32, _i32], _i32),
     "accel_affine_matvec": ([_ptr, _i64, _i32, _i32, _i32, _i32, _i32, _i32, _ptr, _ptr, _i64, _i64, _i64, _ptr,

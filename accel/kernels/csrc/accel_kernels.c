@@ -70,6 +70,29 @@ API int accel_set_simd(int on) {
     return g_simd;
 }
 
+/* How the VNNI tiles take 2-bit fields 1..3 out of a code byte: 0 one gf2p8affineqb, 1 a shift and an AND. Zen 4
+ * (AMD family 25 with AVX-512) runs gf2p8affineqb, like vpcmpub, on the one pipe that also runs its 512-bit
+ * vpdpbusd (one a cycle), and its shifts beside it, so there the shift is faster (int2 4096x4096, one thread, in
+ * cache: 303 -> 278 us); where gf2p8affineqb was chosen (Zen 5) it was 1.1x faster than the shift. GCC 12's
+ * -march=native does not tell Zen 4 from Zen 3 (both znver3), so the CPU is asked at load. */
+static int g_fields_by_shift;
+__attribute__((constructor)) static void fields_by_shift_init(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    unsigned a, b, c, d;
+    __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(0), "c"(0));
+    const int amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u; /* "AuthenticAMD" */
+    __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(1), "c"(0));
+    const unsigned family = ((a >> 8) & 0xf) == 0xf ? 0xf + ((a >> 20) & 0xff) : (a >> 8) & 0xf;
+    g_fields_by_shift = amd && family == 25 && HAVE_AVX512;
+#endif
+}
+
+/* the field extraction in use (see g_fields_by_shift); mode 0 or 1 sets it (the tests run both), -1 only reads */
+API int accel_fields_by_shift(int mode) {
+    if (mode == 0 || mode == 1) g_fields_by_shift = mode;
+    return g_fields_by_shift;
+}
+
 /* ------------------------------------------------------------------------------------------------ helpers */
 
 static float half_to_float(uint16_t h) {
@@ -2209,7 +2232,8 @@ API int accel_leech_decode_rows(int nstages, const uint8_t *const *streams, cons
                 switch (bits) { /* constant widths unroll and vectorize */
                 case 4: add_coords8(o + 8 * kb, V, p, L.alpha[st], 4); break;
                 case 3: add_coords8(o + 8 * kb, V, p, L.alpha[st], 3); break;
-                default: add_coords8(o + 8 * kb, V, p, L.alpha[st], bits); break;
+                case 2: add_coords8(o + 8 * kb, V, p, L.alpha[st], 2); break;
+                default: add_coords8(o + 8 * kb, V, p, L.alpha[st], 1); break; /* leech_init: 1 <= bits <= 4 */
                 }
             }
         }
@@ -2372,7 +2396,7 @@ AI void dpbusd_bcast(__m512i *acc, __m512i q, const int32_t *x) {
 /* step k's products into the sums acc[(u * per + f) * 3 + p] (u = k mod U, 4 / per steps an iteration, so 12
  * independent sums); live = 0 loads zero codes (a block's steps past its last, in the generic loop) */
 AI void tiled_step(__m512i *acc, const uint8_t *base, const int32_t *xd, int64_t k, int u, int live, int64_t ahead,
-                   const int per) {
+                   const int per, const int by_shift) {
     const int bits = 8 / per;
     const __m512i mask = _mm512_set1_epi8((char)((1 << bits) - 1));
     prefetch_line(base + k * 64, ahead);
@@ -2381,10 +2405,11 @@ AI void tiled_step(__m512i *acc, const uint8_t *base, const int32_t *xd, int64_t
 #ifdef __GFNI__ /* 2-bit fields 1..3: one bit-matrix product moves bits 2f, 2f + 1 to 0, 1 (instead of shift, and):
                 * output bit i of a byte is the parity of the byte AND matrix byte 7 - i */
         const long long field = (long long)(1ull << (56 + 2 * f) | 1ull << (49 + 2 * f));
-        const __m512i q = per == 4 && f ? _mm512_gf2p8affine_epi64_epi8(v, _mm512_set1_epi64(field), 0)
+        const __m512i q = per == 4 && f && !by_shift ? _mm512_gf2p8affine_epi64_epi8(v, _mm512_set1_epi64(field), 0)
                           : per == 1    ? v
                                         : _mm512_and_si512(f ? _mm512_srli_epi16(v, f * bits) : v, mask);
 #else
+        (void)by_shift;
         const __m512i q = per == 1 ? v : _mm512_and_si512(f ? _mm512_srli_epi16(v, f * bits) : v, mask);
 #endif
         const int32_t *xs = xd + (k * per + f) * 3;
@@ -2398,7 +2423,7 @@ AI void tiled_step(__m512i *acc, const uint8_t *base, const int32_t *xd, int64_t
 /* the 16 rows of tile t; per = codes a byte (1, 2, 4). NB > 0: the blocks of NB steps (all but perhaps the last)
  * run fully unrolled, without the loop branch at their end: int2 with 4-step blocks 1.2x faster in L2 */
 AI void tiled_tile_t(const Tiled *a, int64_t t, const int32_t *xd, const float *unit, const float *gsum, float *y,
-                     const int per, const uint8_t *next, const int NB) {
+                     const int per, const uint8_t *next, const int NB, const int by_shift) {
     const int U = 4 / per;
     const uint8_t *base = a->tiles + t * a->steps * 64;
     const int64_t ahead = next ? next - base : 0;
@@ -2415,10 +2440,10 @@ AI void tiled_tile_t(const Tiled *a, int64_t t, const int32_t *xd, const float *
         for (int i = 0; i < 12; i++) acc[i] = _mm512_setzero_si512();
         if (NB && k1 - k0 == NB) {
 #pragma GCC unroll 32
-            for (int j = 0; j < NB; j++) tiled_step(acc, base, xd, k0 + j, j % U, 1, ahead, per);
+            for (int j = 0; j < NB; j++) tiled_step(acc, base, xd, k0 + j, j % U, 1, ahead, per, by_shift);
         } else {
             for (int64_t k = k0; k < k1; k += U) /* one loop body: a block's last steps past k1 load zero codes */
-                for (int u = 0; u < U; u++) tiled_step(acc, base, xd, k + u, u, k + u < k1, ahead, per);
+                for (int u = 0; u < U; u++) tiled_step(acc, base, xd, k + u, u, k + u < k1, ahead, per, by_shift);
         }
         const __m512i s0 = _mm512_add_epi32(_mm512_add_epi32(acc[0], acc[3]), _mm512_add_epi32(acc[6], acc[9]));
         const __m512i s1 = _mm512_add_epi32(_mm512_add_epi32(acc[1], acc[4]), _mm512_add_epi32(acc[7], acc[10]));
@@ -2439,22 +2464,29 @@ static void tiled_tile(const Tiled *a, int64_t t, const int32_t *xd, const float
     const int64_t n = a->bsteps;
     switch (a->bits) {
     case 8:
-        if (n == 32) tiled_tile_t(a, t, xd, unit, gsum, y, 1, next, 32);
-        else if (n == 16) tiled_tile_t(a, t, xd, unit, gsum, y, 1, next, 16);
-        else if (n == 8) tiled_tile_t(a, t, xd, unit, gsum, y, 1, next, 8);
-        else tiled_tile_t(a, t, xd, unit, gsum, y, 1, next, 0);
+        if (n == 32) tiled_tile_t(a, t, xd, unit, gsum, y, 1, next, 32, 0);
+        else if (n == 16) tiled_tile_t(a, t, xd, unit, gsum, y, 1, next, 16, 0);
+        else if (n == 8) tiled_tile_t(a, t, xd, unit, gsum, y, 1, next, 8, 0);
+        else tiled_tile_t(a, t, xd, unit, gsum, y, 1, next, 0, 0);
         break;
     case 4:
-        if (n == 16) tiled_tile_t(a, t, xd, unit, gsum, y, 2, next, 16);
-        else if (n == 8) tiled_tile_t(a, t, xd, unit, gsum, y, 2, next, 8);
-        else if (n == 4) tiled_tile_t(a, t, xd, unit, gsum, y, 2, next, 4);
-        else tiled_tile_t(a, t, xd, unit, gsum, y, 2, next, 0);
+        if (n == 16) tiled_tile_t(a, t, xd, unit, gsum, y, 2, next, 16, 0);
+        else if (n == 8) tiled_tile_t(a, t, xd, unit, gsum, y, 2, next, 8, 0);
+        else if (n == 4) tiled_tile_t(a, t, xd, unit, gsum, y, 2, next, 4, 0);
+        else tiled_tile_t(a, t, xd, unit, gsum, y, 2, next, 0, 0);
         break;
     default:
-        if (n == 8) tiled_tile_t(a, t, xd, unit, gsum, y, 4, next, 8);
-        else if (n == 4) tiled_tile_t(a, t, xd, unit, gsum, y, 4, next, 4);
-        else if (n == 2) tiled_tile_t(a, t, xd, unit, gsum, y, 4, next, 2);
-        else tiled_tile_t(a, t, xd, unit, gsum, y, 4, next, 0);
+        if (g_fields_by_shift) {
+            if (n == 8) tiled_tile_t(a, t, xd, unit, gsum, y, 4, next, 8, 1);
+            else if (n == 4) tiled_tile_t(a, t, xd, unit, gsum, y, 4, next, 4, 1);
+            else if (n == 2) tiled_tile_t(a, t, xd, unit, gsum, y, 4, next, 2, 1);
+            else tiled_tile_t(a, t, xd, unit, gsum, y, 4, next, 0, 1);
+        } else {
+            if (n == 8) tiled_tile_t(a, t, xd, unit, gsum, y, 4, next, 8, 0);
+            else if (n == 4) tiled_tile_t(a, t, xd, unit, gsum, y, 4, next, 4, 0);
+            else if (n == 2) tiled_tile_t(a, t, xd, unit, gsum, y, 4, next, 2, 0);
+            else tiled_tile_t(a, t, xd, unit, gsum, y, 4, next, 0, 0);
+        }
     }
 }
 #endif
