@@ -73,7 +73,7 @@ API int accel_set_simd(int on) {
 /* How the VNNI tiles take 2-bit fields 1..3 out of a code byte: 0 one gf2p8affineqb, 1 a shift and an AND. Zen 4
  * (AMD family 25 with AVX-512) runs gf2p8affineqb, like vpcmpub, on the one pipe that also runs its 512-bit
  * vpdpbusd (one a cycle), and its shifts beside it, so there the shift is faster (int2 4096x4096, one thread, in
- * cache: 303 -> 278 us); where gf2p8affineqb was chosen (Zen 5) it was 1.1x faster than the shift. GCC 12's
+ * cache: 303 -> 278 us); on the host where gf2p8affineqb was chosen (2026-12-03) it made int2 1.1x faster. GCC 12's
  * -march=native does not tell Zen 4 from Zen 3 (both znver3), so the CPU is asked at load. */
 static int g_fields_by_shift;
 __attribute__((constructor)) static void fields_by_shift_init(void) {
@@ -2457,36 +2457,26 @@ AI void tiled_tile_t(const Tiled *a, int64_t t, const int32_t *xd, const float *
     _mm512_mask_storeu_ps(y + t * 16, left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u),
                           _mm512_add_ps(total, total_off));
 }
-/* tiled_tile_t for the codes' width, unrolled for the block lengths of groups of 32, 64 and 128 columns (or rows
- * of one group) */
+/* tiled_tile_t unrolled for the block lengths of groups of 32, 64 and 128 columns (or rows of one group): 32 / per,
+ * half and a quarter of it steps */
+AI void tiled_tile_per(const Tiled *a, int64_t t, const int32_t *xd, const float *unit, const float *gsum, float *y,
+                       const uint8_t *next, const int per, const int by_shift) {
+    const int64_t n = a->bsteps;
+    const int top = 32 / per;
+    if (n == top) tiled_tile_t(a, t, xd, unit, gsum, y, per, next, top, by_shift);
+    else if (n == top / 2) tiled_tile_t(a, t, xd, unit, gsum, y, per, next, top / 2, by_shift);
+    else if (n == top / 4) tiled_tile_t(a, t, xd, unit, gsum, y, per, next, top / 4, by_shift);
+    else tiled_tile_t(a, t, xd, unit, gsum, y, per, next, 0, by_shift);
+}
+/* tiled_tile_t for the codes' width (and, for 2-bit codes, this CPU's field extraction: g_fields_by_shift) */
 static void tiled_tile(const Tiled *a, int64_t t, const int32_t *xd, const float *unit, const float *gsum, float *y,
                        const uint8_t *next) {
-    const int64_t n = a->bsteps;
     switch (a->bits) {
-    case 8:
-        if (n == 32) tiled_tile_t(a, t, xd, unit, gsum, y, 1, next, 32, 0);
-        else if (n == 16) tiled_tile_t(a, t, xd, unit, gsum, y, 1, next, 16, 0);
-        else if (n == 8) tiled_tile_t(a, t, xd, unit, gsum, y, 1, next, 8, 0);
-        else tiled_tile_t(a, t, xd, unit, gsum, y, 1, next, 0, 0);
-        break;
-    case 4:
-        if (n == 16) tiled_tile_t(a, t, xd, unit, gsum, y, 2, next, 16, 0);
-        else if (n == 8) tiled_tile_t(a, t, xd, unit, gsum, y, 2, next, 8, 0);
-        else if (n == 4) tiled_tile_t(a, t, xd, unit, gsum, y, 2, next, 4, 0);
-        else tiled_tile_t(a, t, xd, unit, gsum, y, 2, next, 0, 0);
-        break;
+    case 8: tiled_tile_per(a, t, xd, unit, gsum, y, next, 1, 0); break;
+    case 4: tiled_tile_per(a, t, xd, unit, gsum, y, next, 2, 0); break;
     default:
-        if (g_fields_by_shift) {
-            if (n == 8) tiled_tile_t(a, t, xd, unit, gsum, y, 4, next, 8, 1);
-            else if (n == 4) tiled_tile_t(a, t, xd, unit, gsum, y, 4, next, 4, 1);
-            else if (n == 2) tiled_tile_t(a, t, xd, unit, gsum, y, 4, next, 2, 1);
-            else tiled_tile_t(a, t, xd, unit, gsum, y, 4, next, 0, 1);
-        } else {
-            if (n == 8) tiled_tile_t(a, t, xd, unit, gsum, y, 4, next, 8, 0);
-            else if (n == 4) tiled_tile_t(a, t, xd, unit, gsum, y, 4, next, 4, 0);
-            else if (n == 2) tiled_tile_t(a, t, xd, unit, gsum, y, 4, next, 2, 0);
-            else tiled_tile_t(a, t, xd, unit, gsum, y, 4, next, 0, 0);
-        }
+        if (g_fields_by_shift) tiled_tile_per(a, t, xd, unit, gsum, y, next, 4, 1);
+        else tiled_tile_per(a, t, xd, unit, gsum, y, next, 4, 0);
     }
 }
 #endif
