@@ -179,6 +179,28 @@ def test_base3_tile_copy(rng, shape, symmetric, group):
     assert np.linalg.norm(out_float - ref) / np.linalg.norm(bound) < 1e-6
 
 
+def _base3_steps(cols: int, width: int) -> int:
+    """Steps a row of the base-3 "planes" tile copy takes: super-blocks of 5 blocks, ceil(width / 4) steps each."""
+    blocks = -(-cols // width)
+    return -(-blocks // 5) * -(-width // 4)
+
+
+def test_base3_block_width_keeps_blocks_inside_groups():
+    """The base-3 tiles' input blocks (a block's sums share one input exponent and one scale): inside one group, at
+    most 128 columns, whole dwords with one group a row in the "planes" layout, and never needing more steps than
+    the widest choice."""
+    lib = _build.library()
+    layout = lib.accel_base3_layout()
+    for cols in (1, 4, 23, 200, 576, 1027, 1536, 4096, 14336):
+        for group in (1, 7, 32, 45, 64, 100, 128, 256, 1 << 20):
+            width = lib.accel_base3_block_width(cols, group)
+            assert 1 <= width <= 128
+            if -(-cols // group) > 1:
+                assert group % width == 0 and not any(group % w == 0 for w in range(width + 1, 129))
+            elif layout == 2:
+                assert width % 4 == 0 and _base3_steps(cols, width) <= _base3_steps(cols, 128)
+
+
 @pytest.mark.parametrize("shape", [(1, 23), (17, 200), (40, 64)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("levels,layout,symmetric,group", [(256, "packed", False, 64), (16, "packed", True, 32),
                                                            (4, "packed", False, 16), (3, "base", False, 45),

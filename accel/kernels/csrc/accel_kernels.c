@@ -2710,43 +2710,85 @@ API int accel_affine_tiled_decode_rows(const uint8_t *tiles, int bits, int level
     return 0;
 }
 
-/* ------------------------------------------------------------------------- affine base-3, 16-row tiles (VNNI) */
-/* A serving copy of `base` codes with L = 3 (5 codes a byte, digit j of weight 3^j), made once at load: each row's
- * codes regrouped from the row's first code (the stored stream runs its 5-code groups across row ends), ceil(cols /
- * 5) bytes a row, then interleaved in 16-row tiles as the affine tiles are: tile[t][k][lane][4], step k = bytes
- * 4k .. 4k+3 (columns 20k .. 20k+19). A byte's digits come out as bytes: the top one by comparisons (d = [t >= 162]
- * + [t >= 81], r = t - 81 d), the other four from tables indexed by r < 81 (vpermi2b; without AVX-512 VBMI all by
- * comparisons, d = [t >= 2w] + [t >= w], t -= d w for w = 81, 27, 9, 3), then each digit vector meets the input
- * digits of its columns in vpdpbusd, as in the affine tiles. Blocks of input (<= 128 columns inside one group) need
- * not start on a step: a step that two blocks share is read once for each, with each block's own input digits (zero
- * outside the block). */
+/* ------------------------------------------------------------------------- affine base-3, 16-row tiles */
+/* A serving copy of `base` codes with L = 3 (5 codes a byte, digit j of weight 3^j), made once at load
+ * (accel/kernels/weights.py) and interleaved in 16-row tiles as the affine tiles are: tile[t][k][lane][4], step k
+ * = a row's bytes 4k .. 4k+3. Which codes a byte holds depends on the kernel the library was built with
+ * (accel_base3_layout):
+ *
+ * - layout 2, "planes" (AVX-512 VNNI). Input blocks of B columns (accel_base3_block_width: inside one group, at most
+ *   128); five blocks in a row make a super-block of S = ceil(B / 4) steps, and digit j of byte i of step s S + kk
+ *   holds column (5 s + j) B + 4 kk + i (zero past the block or the row). Digit vector j of every step of super-block
+ *   s belongs to block 5 s + j, so each of the 15 sums (5 digits x 3 input pieces) is one block's, no step is read
+ *   twice, and the sums are reduced once a super-block. The top two digits come out times their weights, 81 d and 27 d
+ *   (v - r, with r = v mod w = min(v, v - w, v - 2 w) on unsigned bytes, where a subtraction that wraps lands above
+ *   v), the other three from the rest (< 27) by one byte permute each (without AVX-512 VBMI as the top two: 9 d, 3 d, d);
+ *   the weights go into those blocks' units.
+ * - layout 1, "runs" (AVX2). Each row's codes regrouped 5 to a byte from the row's first code (the stored stream runs
+ *   its 5-code groups across row ends), ceil(cols / 5) bytes a row: step k holds columns 20k .. 20k+19. Blocks of
+ *   input need not start on a step: a step that two blocks share is read once for each, with each block's own input
+ *   digits (zero outside the block). */
+
+#if HAVE_VNNI
+#define BASE3_LAYOUT 2
+#else
+#define BASE3_LAYOUT 1
+#endif
 
 typedef struct {
     const uint8_t *tiles;
     int symmetric, scale_f32;
     const void *scale, *offset; /* [t][g][16] */
     int64_t rows, cols, group, ngroups, steps, bw, nblocks;
+    int64_t S, nsuper; /* layout 2: steps a super-block, super-blocks a row */
 } Base3;
+
+/* the input block width B: the widest divisor of the group up to 128 columns; with one group a row, 128 (layout 1)
+ * or the multiple of 4 up to 128 that costs least (layout 2): the widest of those with the fewest 2 steps + blocks a
+ * row, since a block's reduction costs about half a step (Zen 4: a step 17.8 cycles, a block 8.5) */
+static int64_t base3_block_width(int64_t cols, int64_t group, int layout) {
+    if (cols < 1 || group < 1) return 1;
+    if ((cols + group - 1) / group > 1) {
+        for (int64_t w = 128; w > 1; w--)
+            if (group % w == 0) return w;
+        return 1;
+    }
+    if (layout != 2) return 128;
+    int64_t best = 4, best_cost = INT64_MAX;
+    for (int64_t w = 4; w <= 128; w += 4) {
+        const int64_t blocks = (cols + w - 1) / w, cost = 2 * ((blocks + 4) / 5) * (w / 4) + blocks;
+        if (cost <= best_cost) {
+            best = w;
+            best_cost = cost;
+        }
+    }
+    return best;
+}
+
+API int accel_base3_layout(void) { return BASE3_LAYOUT; }
+API int64_t accel_base3_block_width(int64_t cols, int64_t group) { return base3_block_width(cols, group, BASE3_LAYOUT); }
 
 static int base3_init(Base3 *a, const uint8_t *tiles, int symmetric, int scale_f32, const void *scale,
                       const void *offset, int64_t rows, int64_t cols, int64_t group) {
     if (rows < 0 || cols < 1 || group < 1 || (!symmetric && !offset)) return -1;
-    const int64_t ngroups = (cols + group - 1) / group;
-    int64_t bw = 1;
-    for (int64_t w = 128; w >= 1; w--)
-        if (ngroups == 1 || group % w == 0) {
-            bw = w;
-            break;
-        }
-    *a = (Base3){tiles, symmetric, scale_f32, scale, offset, rows, cols, group, ngroups, ((cols + 4) / 5 + 3) / 4, bw,
-                 (cols + bw - 1) / bw};
+    const int64_t bw = base3_block_width(cols, group, BASE3_LAYOUT), nblocks = (cols + bw - 1) / bw;
+    const int64_t S = (bw + 3) / 4, nsuper = (nblocks + 4) / 5;
+    const int64_t steps = BASE3_LAYOUT == 2 ? nsuper * S : ((cols + 4) / 5 + 3) / 4;
+    *a = (Base3){tiles, symmetric, scale_f32, scale, offset, rows, cols, group, (cols + group - 1) / group, steps, bw,
+                 nblocks, S, nsuper};
     return 0;
 }
 
 static inline unsigned base3_code(const Base3 *a, int64_t r, int64_t c) {
-    const int64_t b = c / 5;
-    unsigned byte = a->tiles[((r / 16) * a->steps + b / 4) * 64 + (r % 16) * 4 + b % 4];
-    for (int64_t j = c % 5; j > 0; j--) byte /= 3;
+    int64_t k, i, j;
+    if (BASE3_LAYOUT == 2) {
+        const int64_t b = c / a->bw, o = c % a->bw;
+        k = b / 5 * a->S + o / 4, i = o % 4, j = b % 5;
+    } else {
+        k = c / 20, i = c / 5 % 4, j = c % 5;
+    }
+    unsigned byte = a->tiles[((r / 16) * a->steps + k) * 64 + (r % 16) * 4 + i];
+    for (; j > 0; j--) byte /= 3;
     return byte % 3;
 }
 
@@ -2765,88 +2807,71 @@ static float base3_row_float(const Base3 *a, int64_t r, const float *x, const fl
 }
 
 #if HAVE_VNNI
-/* output byte o = (3 j + p) * 4 + i of a step's input dwords takes column 5 i + j of piece p: g_base3_gather[0][o] its
- * index in pieces 0 and 1 (a two-source permute), [1][o] in piece 2 */
-static uint8_t g_base3_gather[2][64];
-__attribute__((constructor)) static void base3_gather_init(void) {
-    for (int o = 0; o < 64; o++) {
-        const int i = o % 4, p = (o / 4) % 3, j = o / 12 < 5 ? o / 12 : 0; /* bytes 60 .. 63 are not stored */
-        g_base3_gather[0][o] = (uint8_t)((p == 1 ? 64 : 0) + 5 * i + j);
-        g_base3_gather[1][o] = (uint8_t)(5 * i + j);
-    }
-}
+/* digits 0 .. BASE3_LOOKUPS - 1 come as they are from byte permutes (AVX-512 VBMI), the others times 3^j */
+#ifdef __AVX512VBMI__
+#define BASE3_LOOKUPS 3
+#else
+#define BASE3_LOOKUPS 0
+#endif
 
-/* input digits of block b: xd + xoff[b] holds, for each step k the block touches (from its first, k0 = c0 / 20),
- * 15 dwords [(k - k0) * 15 + j * 3 + p]: piece p of the inputs of columns 20k + 5i + j, i = 0..3 (zero outside the
- * block); unit[b] = 2^-e_b, gsum[b] = the block's sum of the rounded inputs; 0 if an element is not finite */
+/* input digits of block b: xd[(s S + kk) * 15 + 3 j + p] (s = b / 5, j = b % 5) = piece p of the inputs of
+ * columns b B + 4 kk .. b B + 4 kk + 3, the dword that digit vector j of step s S + kk meets (zero past the block);
+ * unit[b] = 2^-e_b, gsum[b] = the block's sum of the rounded inputs; 0 if an element is not finite */
 static int base3_block_input(const Base3 *a, const float *x, int32_t *xd, const int64_t *xoff, float *unit,
                              float *gsum, int64_t b) {
+    (void)xoff; /* layout 1's */
     const int64_t c0 = b * a->bw, c1 = c0 + a->bw < a->cols ? c0 + a->bw : a->cols;
+    if (b == a->nblocks - 1) /* the last super-block's missing blocks meet zero digits; their input is zeroed too */
+        for (int64_t m = a->nblocks; m < 5 * a->nsuper; m++)
+            for (int64_t kk = 0; kk < a->S; kk++) memset(xd + ((m / 5) * a->S + kk) * 15 + (m % 5) * 3, 0, 12);
     __m512 fac;
     if (!block_scale(x, c0, c1, &fac, &unit[b])) return 0;
-    const int64_t k0 = c0 / 20, nsteps = (xoff[b + 1] - xoff[b]) / 15;
-    /* the pieces by column from the block's first step, zero outside the block: tp[p][c - 20 k0]; a block of at most
-     * 128 columns touches at most 8 steps (160 columns), and a step's loads read 64 bytes */
-    int8_t tp[3][256] __attribute__((aligned(64)));
+    int8_t tp[3][144] __attribute__((aligned(64))); /* a block's (<= 128) columns, written 16 at a time */
     memset(tp, 0, sizeof tp);
     __m512i vsum = _mm512_setzero_si512();
     for (int64_t c = c0; c < c1; c += 16) {
         __m128i piece[3];
         block_pieces16(x, c, c1, fac, &vsum, piece);
-        for (int p = 0; p < 3; p++) /* lanes past c1 are zero: they land on columns past the block */
-            _mm_storeu_si128((__m128i *)(tp[p] + c - 20 * k0), piece[p]);
+        for (int p = 0; p < 3; p++) _mm_storeu_si128((__m128i *)(tp[p] + c - c0), piece[p]);
     }
-    int8_t *d = (int8_t *)(xd + xoff[b]);
-#ifdef __AVX512VBMI__ /* a step's 60 bytes from the three pieces' 20 columns: two byte permutes and a blend */
-    const __m512i idx01 = _mm512_loadu_si512(g_base3_gather[0]), idx2 = _mm512_loadu_si512(g_base3_gather[1]);
-    const __mmask64 from2 = 0x0f00f00f00f00f00ull; /* the bytes of piece 2: o / 4 = 3 j + 2 */
-    for (int64_t k = 0; k < nsteps; k++) {
-        const __m512i v01 = _mm512_permutex2var_epi8(_mm512_loadu_si512(tp[0] + 20 * k), idx01,
-                                                     _mm512_loadu_si512(tp[1] + 20 * k));
-        const __m512i v = _mm512_mask_permutexvar_epi8(v01, from2, idx2, _mm512_loadu_si512(tp[2] + 20 * k));
-        _mm512_mask_storeu_epi8(d + 60 * k, ((__mmask64)1 << 60) - 1, v);
-    }
-#else
-    for (int64_t k = 0; k < nsteps; k++)
-        for (int j = 0; j < 5; j++)
-            for (int p = 0; p < 3; p++)
-                for (int i = 0; i < 4; i++) d[(k * 15 + j * 3 + p) * 4 + i] = tp[p][20 * k + 5 * i + j];
-#endif
+    int32_t *d = xd + (b / 5) * a->S * 15 + (b % 5) * 3;
+    for (int64_t kk = 0; kk < a->S; kk++)
+        for (int p = 0; p < 3; p++) memcpy(d + kk * 15 + p, tp[p] + 4 * kk, 4);
     gsum[b] = (float)((double)_mm512_reduce_add_epi32(vsum) * (double)unit[b]);
+    static const float weight[5] = {1.0f, 3.0f, 9.0f, 27.0f, 81.0f};
+    if (b % 5 >= BASE3_LOOKUPS) unit[b] /= weight[b % 5]; /* block 5 s + j meets 3^j d_j where j >= BASE3_LOOKUPS */
     return 1;
 }
 
-/* g_base3_digits[j][r] = digit j (weight 3^j) of r, r = 0 .. 127 */
-static uint8_t g_base3_digits[4][128];
-__attribute__((constructor)) static void base3_digits_init(void) {
-    for (int j = 0, w = 1; j < 4; j++, w *= 3)
-        for (int r = 0; r < 128; r++) g_base3_digits[j][r] = (uint8_t)((r / w) % 3);
+/* g_base3_low[j][r] = digit j (weight 3^j) of r, r = 0 .. 26 (a vpermb table) */
+static uint8_t g_base3_low[3][64];
+__attribute__((constructor)) static void base3_low_init(void) {
+    for (int j = 0, w = 1; j < 3; j++, w *= 3)
+        for (int r = 0; r < 64; r++) g_base3_low[j][r] = (uint8_t)(r < 27 ? (r / w) % 3 : 0);
 }
 
-/* step k's 15 products (5 digit vectors, 3 input pieces) into acc; lut: the 128-byte digit tables (VBMI) */
-AI void base3_step(__m512i *acc, const uint8_t *base, int64_t k, const int32_t *xs, int64_t ahead,
-                   const __m512i lut[4][2]) {
-    const __m512i one = _mm512_set1_epi8(1), two = _mm512_set1_epi8(2);
-    prefetch_line(base + k * 64, ahead); /* and the next tile's line */
-    __m512i tv = _mm512_loadu_si512(base + k * 64), dig[5];
-#ifdef __AVX512VBMI__ /* the top digit by comparisons, the rest (r < 81, a 7-bit index) from 128-byte tables */
-    const __mmask64 m1 = _mm512_cmpge_epu8_mask(tv, _mm512_set1_epi8(81));
-    const __mmask64 m2 = _mm512_cmpge_epu8_mask(tv, _mm512_set1_epi8((char)162));
-    dig[4] = _mm512_mask_mov_epi8(_mm512_maskz_mov_epi8(m1, one), m2, two);
-    tv = _mm512_mask_sub_epi8(tv, m1, tv, _mm512_set1_epi8(81));
-    tv = _mm512_mask_sub_epi8(tv, m2, tv, _mm512_set1_epi8(81));
-    for (int j = 0; j < 4; j++) dig[j] = _mm512_permutex2var_epi8(lut[j][0], tv, lut[j][1]);
-#else
-    (void)lut;
-    static const int w[5] = {1, 3, 9, 27, 81};
-    for (int j = 4; j >= 1; j--) {
-        const __mmask64 m1 = _mm512_cmpge_epu8_mask(tv, _mm512_set1_epi8((char)w[j]));
-        const __mmask64 m2 = _mm512_cmpge_epu8_mask(tv, _mm512_set1_epi8((char)(2 * w[j])));
-        dig[j] = _mm512_mask_mov_epi8(_mm512_maskz_mov_epi8(m1, one), m2, two);
-        tv = _mm512_mask_sub_epi8(tv, m1, tv, _mm512_set1_epi8((char)w[j]));
-        tv = _mm512_mask_sub_epi8(tv, m2, tv, _mm512_set1_epi8((char)w[j]));
-    }
-    dig[0] = tv;
+/* one step's 15 products into acc[3 j + p]: digit vectors 81 d4, 27 d3, d2, d1, d0 against the dwords at xs */
+AI void base3_step(__m512i *acc, const uint8_t *step, const int32_t *xs, int64_t ahead, const __m512i low[3]) {
+    const __m512i w81 = _mm512_set1_epi8(81), w162 = _mm512_set1_epi8((char)162), w27 = _mm512_set1_epi8(27),
+                  w54 = _mm512_set1_epi8(54);
+    prefetch_line(step, ahead); /* and the next tile's line */
+    const __m512i t = _mm512_loadu_si512(step);
+    const __m512i a2 = _mm512_min_epu8(_mm512_min_epu8(t, _mm512_sub_epi8(t, w81)), _mm512_sub_epi8(t, w162));
+    const __m512i b2 = _mm512_min_epu8(_mm512_min_epu8(a2, _mm512_sub_epi8(a2, w27)), _mm512_sub_epi8(a2, w54));
+    __m512i dig[5];
+    dig[4] = _mm512_sub_epi8(t, a2);  /* 81 d4 */
+    dig[3] = _mm512_sub_epi8(a2, b2); /* 27 d3 */
+#ifdef __AVX512VBMI__
+    for (int j = 0; j < 3; j++) dig[j] = _mm512_permutexvar_epi8(b2, low[j]);
+#else /* 9 d2, 3 d1, d0 as the top two */
+    (void)low;
+    const __m512i w9 = _mm512_set1_epi8(9), w18 = _mm512_set1_epi8(18), w3 = _mm512_set1_epi8(3),
+                  w6 = _mm512_set1_epi8(6);
+    const __m512i c2 = _mm512_min_epu8(_mm512_min_epu8(b2, _mm512_sub_epi8(b2, w9)), _mm512_sub_epi8(b2, w18));
+    const __m512i e2 = _mm512_min_epu8(_mm512_min_epu8(c2, _mm512_sub_epi8(c2, w3)), _mm512_sub_epi8(c2, w6));
+    dig[2] = _mm512_sub_epi8(b2, c2);
+    dig[1] = _mm512_sub_epi8(c2, e2);
+    dig[0] = e2;
 #endif
     for (int j = 0; j < 5; j++) {
         dpbusd_bcast(&acc[j * 3], dig[j], xs + j * 3);
@@ -2855,55 +2880,39 @@ AI void base3_step(__m512i *acc, const uint8_t *base, int64_t k, const int32_t *
     }
 }
 
-/* steps k0 .. k0 + N - 1 of a block, unrolled (a block of b columns spans ceil(b / 20) or one more steps) */
-AI void base3_steps_n(__m512i *acc, const uint8_t *base, int64_t k0, const int32_t *xb, int64_t ahead,
-                      const __m512i lut[4][2], const int N) {
-#pragma GCC unroll 8
-    for (int j = 0; j < N; j++) base3_step(acc, base, k0 + j, xb + j * 15, ahead, lut);
-}
-
 static void base3_tile(const Base3 *a, int64_t t, const int32_t *xd, const int64_t *xoff, const float *unit,
                        const float *gsum, float *y, const uint8_t *next) {
+    (void)xoff; /* layout 1's */
     const uint8_t *base = a->tiles + t * a->steps * 64;
-    const int64_t ahead = next ? next - base : 0;
-    __m512i lut[4][2]; /* digit j of r = 0 .. 127 (used: r < 81), two 64-byte halves for vpermi2b */
-#ifdef __AVX512VBMI__
-    for (int j = 0; j < 4; j++) {
-        lut[j][0] = _mm512_loadu_si512(g_base3_digits[j]);
-        lut[j][1] = _mm512_loadu_si512(g_base3_digits[j] + 64);
-    }
-#endif
+    const int64_t ahead = next ? next - base : 0, S = a->S;
+    __m512i low[3];
+    for (int j = 0; j < 3; j++) low[j] = _mm512_loadu_si512(g_base3_low[j]);
     const int64_t per_group = a->ngroups == 1 ? a->nblocks : a->group / a->bw;
     __m512 total = _mm512_setzero_ps(), total_off = _mm512_setzero_ps();
-    for (int64_t b = 0, g = 0, in_g = 0; b < a->nblocks; b++, in_g++) {
-        if (in_g == per_group) {
-            g++;
-            in_g = 0;
-        }
-        const int64_t c0 = b * a->bw, c1 = c0 + a->bw < a->cols ? c0 + a->bw : a->cols;
-        const int64_t k0 = c0 / 20, k1 = (c1 - 1) / 20 + 1;
-        const int32_t *xb = xd + xoff[b];
+    int64_t b = 0, g = 0, in_g = 0; /* block, its group, its place in the group */
+    for (int64_t s = 0; s < a->nsuper; s++) {
+        const uint8_t *steps = base + s * S * 64;
+        const int32_t *xs = xd + s * S * 15;
         __m512i acc[15];
         for (int i = 0; i < 15; i++) acc[i] = _mm512_setzero_si512();
-        switch (k1 - k0) { /* blocks of at most 128 columns: at most 8 steps */
-        case 1: base3_steps_n(acc, base, k0, xb, ahead, lut, 1); break;
-        case 2: base3_steps_n(acc, base, k0, xb, ahead, lut, 2); break;
-        case 3: base3_steps_n(acc, base, k0, xb, ahead, lut, 3); break;
-        case 4: base3_steps_n(acc, base, k0, xb, ahead, lut, 4); break;
-        case 5: base3_steps_n(acc, base, k0, xb, ahead, lut, 5); break;
-        case 6: base3_steps_n(acc, base, k0, xb, ahead, lut, 6); break;
-        case 7: base3_steps_n(acc, base, k0, xb, ahead, lut, 7); break;
-        default: base3_steps_n(acc, base, k0, xb, ahead, lut, 8); break;
+        int64_t kk = 0;
+        for (; kk + 4 <= S; kk += 4)
+#pragma GCC unroll 4
+            for (int u = 0; u < 4; u++) base3_step(acc, steps + (kk + u) * 64, xs + (kk + u) * 15, ahead, low);
+        for (; kk < S; kk++) base3_step(acc, steps + kk * 64, xs + kk * 15, ahead, low);
+#pragma GCC unroll 5
+        for (int j = 0; j < 5; j++, b++, in_g++) {
+            if (b >= a->nblocks) break;
+            if (in_g == per_group) {
+                g++;
+                in_g = 0;
+            }
+            /* digits as they are: |sum q X| < 2^31, exact in int32; 3^j d_j by the float path */
+            const __m512 dot = pieces_dot(acc[3 * j], acc[3 * j + 1], acc[3 * j + 2], j < BASE3_LOOKUPS || j == 0);
+            const int64_t side = (t * a->ngroups + g) * 16; /* symmetric: q - (L - 1) / 2 = q - 1 */
+            tiles_block_sum(&total, &total_off, dot, unit[b], tiled_side(a->scale, a->scale_f32, side),
+                            a->symmetric ? NULL : (const uint8_t *)a->offset, a->scale_f32, side, 1.0f, gsum[b]);
         }
-        __m512i s[3];
-        for (int p = 0; p < 3; p++)
-            s[p] = _mm512_add_epi32(_mm512_add_epi32(_mm512_add_epi32(acc[p], acc[3 + p]),
-                                                     _mm512_add_epi32(acc[6 + p], acc[9 + p])),
-                                    acc[12 + p]);
-        const int64_t side = (t * a->ngroups + g) * 16; /* symmetric: q - (L - 1) / 2 = q - 1 */
-        tiles_block_sum(&total, &total_off, pieces_dot(s[0], s[1], s[2], 1), unit[b],
-                        tiled_side(a->scale, a->scale_f32, side),
-                        a->symmetric ? NULL : (const uint8_t *)a->offset, a->scale_f32, side, 1.0f, gsum[b]);
     }
     const int64_t left = a->rows - t * 16;
     _mm512_mask_storeu_ps(y + t * 16, left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u),
@@ -3018,13 +3027,17 @@ API int accel_base3_tiled_matvec(const uint8_t *tiles, int symmetric, int scale_
 #if HAVE_VNNI || HAVE_TILES_AVX2
     if (tiled_kinds() & 1 << 3) {
         const int64_t ntiles = (rows + 15) / 16;
-        int64_t *xoff = xalloc((size_t)(a.nblocks + 1) * sizeof(int64_t));
-        xoff[0] = 0;
-        for (int64_t b = 0; b < a.nblocks; b++) {
-            const int64_t c0 = b * a.bw, c1 = c0 + a.bw < cols ? c0 + a.bw : cols;
-            xoff[b + 1] = xoff[b] + ((c1 - 1) / 20 + 1 - c0 / 20) * 15;
+        int64_t *xoff = NULL, nxd = a.nsuper * a.S * 15; /* layout 2: 15 input dwords a step */
+        if (BASE3_LAYOUT == 1) { /* each block's input digits from its first step to its last */
+            xoff = xalloc((size_t)(a.nblocks + 1) * sizeof(int64_t));
+            xoff[0] = 0;
+            for (int64_t b = 0; b < a.nblocks; b++) {
+                const int64_t c0 = b * a.bw, c1 = c0 + a.bw < cols ? c0 + a.bw : cols;
+                xoff[b + 1] = xoff[b] + ((c1 - 1) / 20 + 1 - c0 / 20) * 15;
+            }
+            nxd = xoff[a.nblocks];
         }
-        int32_t *xd = xalloc((size_t)xoff[a.nblocks] * sizeof(int32_t));
+        int32_t *xd = xalloc((size_t)nxd * sizeof(int32_t));
         float *unit = xalloc((size_t)a.nblocks * 2 * sizeof(float));
         int ok = 1;
 #pragma omp parallel num_threads(nt) /* the input's blocks, then (after the barrier) the tiles */
