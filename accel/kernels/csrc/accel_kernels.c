@@ -2720,10 +2720,10 @@ API int accel_affine_tiled_decode_rows(const uint8_t *tiles, int bits, int level
  *   128); five blocks in a row make a super-block of S = ceil(B / 4) steps, and digit j of byte i of step s S + kk
  *   holds column (5 s + j) B + 4 kk + i (zero past the block or the row). Digit vector j of every step of super-block
  *   s belongs to block 5 s + j, so each of the 15 sums (5 digits x 3 input pieces) is one block's, no step is read
- *   twice, and the sums are reduced once a super-block. The top two digits come out times their weights, 81 d and 27 d
- *   (v - r, with r = v mod w = min(v, v - w, v - 2 w) on unsigned bytes, where a subtraction that wraps lands above
- *   v), the other three from the rest (< 27) by one byte permute each (without AVX-512 VBMI as the top two: 9 d, 3 d, d);
- *   the weights go into those blocks' units.
+ *   twice, and the sums are reduced once a super-block. The top two digits come out times their weights, 81 d and
+ *   27 d (v - r, with r = v mod w = min(v, v - w, v - 2 w) on unsigned bytes, where a subtraction that wraps lands
+ *   above v), the other three from the rest (< 27) by one byte permute each (without AVX-512 VBMI as the top two:
+ *   9 d, 3 d, d); the weights go into those blocks' units.
  * - layout 1, "runs" (AVX2). Each row's codes regrouped 5 to a byte from the row's first code (the stored stream runs
  *   its 5-code groups across row ends), ceil(cols / 5) bytes a row: step k holds columns 20k .. 20k+19. Blocks of
  *   input need not start on a step: a step that two blocks share is read once for each, with each block's own input
@@ -2766,7 +2766,9 @@ static int64_t base3_block_width(int64_t cols, int64_t group, int layout) {
 }
 
 API int accel_base3_layout(void) { return BASE3_LAYOUT; }
-API int64_t accel_base3_block_width(int64_t cols, int64_t group) { return base3_block_width(cols, group, BASE3_LAYOUT); }
+API int64_t accel_base3_block_width(int64_t cols, int64_t group) {
+    return base3_block_width(cols, group, BASE3_LAYOUT);
+}
 
 static int base3_init(Base3 *a, const uint8_t *tiles, int symmetric, int scale_f32, const void *scale,
                       const void *offset, int64_t rows, int64_t cols, int64_t group) {
