@@ -187,17 +187,15 @@ def _base3_steps(cols: int, width: int) -> int:
 
 def test_base3_block_width_keeps_blocks_inside_groups():
     """The base-3 tiles' input blocks (a block's sums share one input exponent and one scale): inside one group, at
-    most 128 columns, whole dwords with one group a row in the "planes" layout, and never needing more steps than
-    the widest choice."""
+    most 128 columns, whole dwords with one group a row, and never needing more steps than the widest choice."""
     lib = _build.library()
-    layout = lib.accel_base3_layout()
     for cols in (1, 4, 23, 200, 576, 1027, 1536, 4096, 14336):
         for group in (1, 7, 32, 45, 64, 100, 128, 256, 1 << 20):
             width = lib.accel_base3_block_width(cols, group)
             assert 1 <= width <= 128
             if -(-cols // group) > 1:
                 assert group % width == 0 and not any(group % w == 0 for w in range(width + 1, 129))
-            elif layout == 2:
+            else:
                 assert width % 4 == 0 and _base3_steps(cols, width) <= _base3_steps(cols, 128)
 
 

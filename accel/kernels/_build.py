@@ -151,7 +151,6 @@ _SIGNATURES = {
     "accel_base3_tiled_matvec": ([_ptr, _i32, _i32, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i32], _i32),
     "accel_base3_tiled_decode_rows": ([_ptr, _i32, _i32, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _i32],
                                       _i32),
-    "accel_base3_layout": ([], _i32),
     "accel_base3_block_width": ([_i64, _i64], _i64),
     "accel_copy": ([_ptr, _ptr, _i64, _i32], None),
     "accel_read": ([_ptr, _i64, _i32, _i32], ctypes.c_float),

@@ -115,7 +115,7 @@ class AffineWeight(KernelWeight):
         self.nbytes = self.call_bytes = int(sum(np.asarray(a).nbytes for a in parts.values()))
         self._lib = library()
         # a 16-row tile copy for the integer kernels (accel_kernels.c), where the CPU and the shapes allow; it
-        # replaces the stored stream in memory. "packed": 8/4/2-bit codes; "base3": L = 3, regrouped by row.
+        # replaces the stored stream in memory. "packed": 8/4/2-bit codes; "base3": L = 3, in the base-3 tiles' order.
         # accel_tiled_kinds: bit b for b-bit packed codes, bit 3 for base-3 (AVX-512 VNNI: all; AVX2: 4, 2 and base-3)
         self.tiled = None
         kinds = self._lib.accel_tiled_kinds()
@@ -139,33 +139,25 @@ class AffineWeight(KernelWeight):
 
     def _row_bytes(self) -> np.ndarray:
         """(rows, bytes) of each row's codes in the order of its tile steps: as stored for packed codes; base-3 codes 5
-        to a byte (digit j weighs 3^j, as in the format) in the layout the library's kernel reads
-        (accel_kernels.c, "affine base-3, 16-row tiles")."""
+        to a byte (digit j weighs 3^j, as in the format), digit j of a super-block's bytes holding its block j, 4
+        columns a step (accel_kernels.c, "affine base-3, 16-row tiles")."""
         rows, cols = self.shape
         if self.tiled == "packed":
             return self.codes.reshape(rows, cols * self.bits // 8)
         g = self._base3_geometry()
         digits = np.zeros((rows, g["digits"]), dtype=np.uint8)
         digits[:, :cols] = bitpack.unpack_base_levels(self.codes, 3, rows * cols).reshape(rows, cols)
-        if g["layout"] == 2:  # "planes": digit j of super-block s's bytes holds block 5 s + j, 4 columns a step
-            width, steps = g["width"], g["steps"]
-            blocks = np.zeros((rows, g["supers"], 5, 4 * steps), dtype=np.uint8)
-            blocks[..., :width] = digits.reshape(rows, g["supers"], 5, width)
-            return (blocks * _BASE3_WEIGHTS[:, None]).sum(axis=2, dtype=np.uint8).reshape(rows, -1)
-        return (digits.reshape(rows, -1, 5) * _BASE3_WEIGHTS).sum(axis=2, dtype=np.uint8)  # "runs"
+        blocks = np.zeros((rows, g["supers"], 5, 4 * g["steps"]), dtype=np.uint8)
+        blocks[..., : g["width"]] = digits.reshape(rows, g["supers"], 5, g["width"])
+        return (blocks * _BASE3_WEIGHTS[:, None]).sum(axis=2, dtype=np.uint8).reshape(rows, -1)
 
     def _base3_geometry(self) -> dict[str, int]:
-        """How the base-3 tile copy places the codes: layout 2 ("planes": input blocks of `width` columns, 5 of them
-        a super-block of `steps` 4-byte steps) or 1 ("runs": 5 columns a byte from the row's first), and the digits a
-        row holds (`digits`, the row's codes and zero padding)."""
+        """How the base-3 tile copy places a row's codes: input blocks of `width` columns (the kernels' choice), 5 of
+        them a super-block of `steps` 4-byte steps, `supers` of those a row, holding `digits` codes and zero padding."""
         cols = self.shape[1]
-        layout = self._lib.accel_base3_layout()
-        if layout != 2:
-            return {"layout": layout, "digits": -(-cols // 5) * 5}
         width = int(self._lib.accel_base3_block_width(cols, self.group))
-        blocks = -(-cols // width)
-        supers = -(-blocks // 5)
-        return {"layout": 2, "width": width, "steps": -(-width // 4), "supers": supers, "digits": supers * 5 * width}
+        supers = -(-cols // (5 * width))  # = ceil(ceil(cols / width) / 5)
+        return {"width": width, "steps": -(-width // 4), "supers": supers, "digits": supers * 5 * width}
 
     def _make_tiles(self) -> None:
         """The 16-row tile copy [tile][step][row][4 bytes] the integer kernels read; it replaces the code stream."""
@@ -200,12 +192,9 @@ class AffineWeight(KernelWeight):
             codes = np.ascontiguousarray(by_row[:, : cols * self.bits // 8]).reshape(-1)
         else:  # base3: the digits back in column order (_row_bytes inverted), then the format's stream
             g = self._base3_geometry()
-            if g["layout"] == 2:
-                planes = (by_row.reshape(rows, g["supers"], 1, -1) // _BASE3_WEIGHTS[:, None]) % 3
-                digits = planes[..., : g["width"]].reshape(rows, -1)
-            else:
-                digits = (by_row[:, : g["digits"] // 5, None] // _BASE3_WEIGHTS) % 3
-            codes = bitpack.pack_base_levels(np.ascontiguousarray(digits.reshape(rows, -1)[:, :cols]).reshape(-1), 3)
+            planes = (by_row.reshape(rows, g["supers"], 1, -1) // _BASE3_WEIGHTS[:, None]) % 3
+            digits = planes[..., : g["width"]].reshape(rows, -1)
+            codes = bitpack.pack_base_levels(np.ascontiguousarray(digits[:, :cols]).reshape(-1), 3)
 
         def by_rows(side: np.ndarray) -> np.ndarray:
             return np.ascontiguousarray(side.transpose(0, 2, 1).reshape(ntiles * 16, ngroups)[:rows])

@@ -2713,47 +2713,31 @@ API int accel_affine_tiled_decode_rows(const uint8_t *tiles, int bits, int level
 /* ------------------------------------------------------------------------- affine base-3, 16-row tiles */
 /* A serving copy of `base` codes with L = 3 (5 codes a byte, digit j of weight 3^j), made once at load
  * (accel/kernels/weights.py) and interleaved in 16-row tiles as the affine tiles are: tile[t][k][lane][4], step k
- * = a row's bytes 4k .. 4k+3. Which codes a byte holds depends on the kernel the library was built with
- * (accel_base3_layout):
- *
- * - layout 2, "planes" (AVX-512 VNNI). Input blocks of B columns (accel_base3_block_width: inside one group, at most
- *   128); five blocks in a row make a super-block of S = ceil(B / 4) steps, and digit j of byte i of step s S + kk
- *   holds column (5 s + j) B + 4 kk + i (zero past the block or the row). Digit vector j of every step of super-block
- *   s belongs to block 5 s + j, so each of the 15 sums (5 digits x 3 input pieces) is one block's, no step is read
- *   twice, and the sums are reduced once a super-block. The top two digits come out times their weights, 81 d and
- *   27 d (v - r, with r = v mod w = min(v, v - w, v - 2 w) on unsigned bytes, where a subtraction that wraps lands
- *   above v), the other three from the rest (< 27) by one byte permute each (without AVX-512 VBMI as the top two:
- *   9 d, 3 d, d); the weights go into those blocks' units.
- * - layout 1, "runs" (AVX2). Each row's codes regrouped 5 to a byte from the row's first code (the stored stream runs
- *   its 5-code groups across row ends), ceil(cols / 5) bytes a row: step k holds columns 20k .. 20k+19. Blocks of
- *   input need not start on a step: a step that two blocks share is read once for each, with each block's own input
- *   digits (zero outside the block). */
-
-#if HAVE_VNNI
-#define BASE3_LAYOUT 2
-#else
-#define BASE3_LAYOUT 1
-#endif
+ * = a row's bytes 4k .. 4k+3. The input's blocks are B columns (base3_block_width: inside one group, at most 128);
+ * five blocks in a row make a super-block of S = ceil(B / 4) steps, and digit j of byte i of step s S + kk holds
+ * column (5 s + j) B + 4 kk + i (zero past the block or the row). Digit vector j of every step of super-block s
+ * belongs to block 5 s + j, so each of the 15 sums (5 digits x 3 input pieces) is one block's, no step is read
+ * twice, and a block's sums are reduced once. (Until 2026-12-06 each row's codes ran 5 a byte from its first, a
+ * step held 20 columns, and a step that two blocks shared was read once for each.) */
 
 typedef struct {
     const uint8_t *tiles;
     int symmetric, scale_f32;
     const void *scale, *offset; /* [t][g][16] */
     int64_t rows, cols, group, ngroups, steps, bw, nblocks;
-    int64_t S, nsuper; /* layout 2: steps a super-block, super-blocks a row */
+    int64_t S, nsuper; /* steps a super-block, super-blocks a row */
 } Base3;
 
-/* the input block width B: the widest divisor of the group up to 128 columns; with one group a row, 128 (layout 1)
- * or the multiple of 4 up to 128 that costs least (layout 2): the widest of those with the fewest 2 steps + blocks a
- * row, since a block's reduction costs about half a step (Zen 4: a step 17.8 cycles, a block 8.5) */
-static int64_t base3_block_width(int64_t cols, int64_t group, int layout) {
+/* the input block width B: the widest divisor of the group up to 128 columns; with one group a row, the multiple of 4
+ * up to 128 that costs least: the widest of those with the fewest 2 steps + blocks a row, since a block's reduction
+ * costs about half a step (Zen 4, VNNI: a step 17.8 cycles, a block 8.5) */
+static int64_t base3_block_width(int64_t cols, int64_t group) {
     if (cols < 1 || group < 1) return 1;
     if ((cols + group - 1) / group > 1) {
         for (int64_t w = 128; w > 1; w--)
             if (group % w == 0) return w;
         return 1;
     }
-    if (layout != 2) return 128;
     int64_t best = 4, best_cost = INT64_MAX;
     for (int64_t w = 4; w <= 128; w += 4) {
         const int64_t blocks = (cols + w - 1) / w, cost = 2 * ((blocks + 4) / 5) * (w / 4) + blocks;
@@ -2765,31 +2749,22 @@ static int64_t base3_block_width(int64_t cols, int64_t group, int layout) {
     return best;
 }
 
-API int accel_base3_layout(void) { return BASE3_LAYOUT; }
-API int64_t accel_base3_block_width(int64_t cols, int64_t group) {
-    return base3_block_width(cols, group, BASE3_LAYOUT);
-}
+API int64_t accel_base3_block_width(int64_t cols, int64_t group) { return base3_block_width(cols, group); }
 
 static int base3_init(Base3 *a, const uint8_t *tiles, int symmetric, int scale_f32, const void *scale,
                       const void *offset, int64_t rows, int64_t cols, int64_t group) {
     if (rows < 0 || cols < 1 || group < 1 || (!symmetric && !offset)) return -1;
-    const int64_t bw = base3_block_width(cols, group, BASE3_LAYOUT), nblocks = (cols + bw - 1) / bw;
+    const int64_t bw = base3_block_width(cols, group), nblocks = (cols + bw - 1) / bw;
     const int64_t S = (bw + 3) / 4, nsuper = (nblocks + 4) / 5;
-    const int64_t steps = BASE3_LAYOUT == 2 ? nsuper * S : ((cols + 4) / 5 + 3) / 4;
-    *a = (Base3){tiles, symmetric, scale_f32, scale, offset, rows, cols, group, (cols + group - 1) / group, steps, bw,
-                 nblocks, S, nsuper};
+    *a = (Base3){tiles, symmetric, scale_f32, scale, offset, rows, cols, group, (cols + group - 1) / group, nsuper * S,
+                 bw, nblocks, S, nsuper};
     return 0;
 }
 
 static inline unsigned base3_code(const Base3 *a, int64_t r, int64_t c) {
-    int64_t k, i, j;
-    if (BASE3_LAYOUT == 2) {
-        const int64_t b = c / a->bw, o = c % a->bw;
-        k = b / 5 * a->S + o / 4, i = o % 4, j = b % 5;
-    } else {
-        k = c / 20, i = c / 5 % 4, j = c % 5;
-    }
-    unsigned byte = a->tiles[((r / 16) * a->steps + k) * 64 + (r % 16) * 4 + i];
+    const int64_t b = c / a->bw, o = c % a->bw, k = b / 5 * a->S + o / 4;
+    int64_t j = b % 5;
+    unsigned byte = a->tiles[((r / 16) * a->steps + k) * 64 + (r % 16) * 4 + o % 4];
     for (; j > 0; j--) byte /= 3;
     return byte % 3;
 }
@@ -2808,6 +2783,20 @@ static float base3_row_float(const Base3 *a, int64_t r, const float *x, const fl
     return total;
 }
 
+#if HAVE_VNNI || HAVE_TILES_AVX2
+/* block b's three input pieces (tp[p][0 .. B), zero past the block) to the dwords xd[(s S + kk) * 15 + 3 j + p]
+ * (s = b / 5, j = b % 5): those that digit vector j of step s S + kk meets. The last block also zeroes the dwords of
+ * the last super-block's missing blocks (whose digits are zero as well). */
+static void base3_place_input(const Base3 *a, int32_t *xd, const int8_t tp[3][144], int64_t b) {
+    if (b == a->nblocks - 1)
+        for (int64_t m = a->nblocks; m < 5 * a->nsuper; m++)
+            for (int64_t kk = 0; kk < a->S; kk++) memset(xd + ((m / 5) * a->S + kk) * 15 + (m % 5) * 3, 0, 12);
+    int32_t *d = xd + (b / 5) * a->S * 15 + (b % 5) * 3;
+    for (int64_t kk = 0; kk < a->S; kk++)
+        for (int p = 0; p < 3; p++) memcpy(d + kk * 15 + p, tp[p] + 4 * kk, 4);
+}
+#endif
+
 #if HAVE_VNNI
 /* digits 0 .. BASE3_LOOKUPS - 1 come as they are from byte permutes (AVX-512 VBMI), the others times 3^j */
 #ifdef __AVX512VBMI__
@@ -2816,16 +2805,10 @@ static float base3_row_float(const Base3 *a, int64_t r, const float *x, const fl
 #define BASE3_LOOKUPS 0
 #endif
 
-/* input digits of block b: xd[(s S + kk) * 15 + 3 j + p] (s = b / 5, j = b % 5) = piece p of the inputs of
- * columns b B + 4 kk .. b B + 4 kk + 3, the dword that digit vector j of step s S + kk meets (zero past the block);
- * unit[b] = 2^-e_b, gsum[b] = the block's sum of the rounded inputs; 0 if an element is not finite */
-static int base3_block_input(const Base3 *a, const float *x, int32_t *xd, const int64_t *xoff, float *unit,
-                             float *gsum, int64_t b) {
-    (void)xoff; /* layout 1's */
+/* the input digits of block b (base3_place_input); unit[b] = 2^-e_b (divided by 3^j where block 5 s + j meets
+ * 3^j d_j), gsum[b] = the block's sum of the rounded inputs; 0 if an element is not finite */
+static int base3_block_input(const Base3 *a, const float *x, int32_t *xd, float *unit, float *gsum, int64_t b) {
     const int64_t c0 = b * a->bw, c1 = c0 + a->bw < a->cols ? c0 + a->bw : a->cols;
-    if (b == a->nblocks - 1) /* the last super-block's missing blocks meet zero digits; their input is zeroed too */
-        for (int64_t m = a->nblocks; m < 5 * a->nsuper; m++)
-            for (int64_t kk = 0; kk < a->S; kk++) memset(xd + ((m / 5) * a->S + kk) * 15 + (m % 5) * 3, 0, 12);
     __m512 fac;
     if (!block_scale(x, c0, c1, &fac, &unit[b])) return 0;
     int8_t tp[3][144] __attribute__((aligned(64))); /* a block's (<= 128) columns, written 16 at a time */
@@ -2836,9 +2819,7 @@ static int base3_block_input(const Base3 *a, const float *x, int32_t *xd, const 
         block_pieces16(x, c, c1, fac, &vsum, piece);
         for (int p = 0; p < 3; p++) _mm_storeu_si128((__m128i *)(tp[p] + c - c0), piece[p]);
     }
-    int32_t *d = xd + (b / 5) * a->S * 15 + (b % 5) * 3;
-    for (int64_t kk = 0; kk < a->S; kk++)
-        for (int p = 0; p < 3; p++) memcpy(d + kk * 15 + p, tp[p] + 4 * kk, 4);
+    base3_place_input(a, xd, (const int8_t(*)[144])tp, b);
     gsum[b] = (float)((double)_mm512_reduce_add_epi32(vsum) * (double)unit[b]);
     static const float weight[5] = {1.0f, 3.0f, 9.0f, 27.0f, 81.0f};
     if (b % 5 >= BASE3_LOOKUPS) unit[b] /= weight[b % 5]; /* block 5 s + j meets 3^j d_j where j >= BASE3_LOOKUPS */
@@ -2852,7 +2833,10 @@ __attribute__((constructor)) static void base3_low_init(void) {
         for (int r = 0; r < 64; r++) g_base3_low[j][r] = (uint8_t)(r < 27 ? (r / w) % 3 : 0);
 }
 
-/* one step's 15 products into acc[3 j + p]: digit vectors 81 d4, 27 d3, d2, d1, d0 against the dwords at xs */
+/* one step's 15 products into acc[3 j + p]: digit vectors 81 d4, 27 d3, d2, d1, d0 against the dwords at xs. The top
+ * two digits come out times their weights (v - r, with r = v mod w = min(v, v - w, v - 2 w) on unsigned bytes, where
+ * a subtraction that wraps lands above v), the other three from the rest (< 27) by one byte permute each (without
+ * AVX-512 VBMI as the top two: 9 d, 3 d, d); the weights go into those blocks' units. */
 AI void base3_step(__m512i *acc, const uint8_t *step, const int32_t *xs, int64_t ahead, const __m512i low[3]) {
     const __m512i w81 = _mm512_set1_epi8(81), w162 = _mm512_set1_epi8((char)162), w27 = _mm512_set1_epi8(27),
                   w54 = _mm512_set1_epi8(54);
@@ -2882,9 +2866,8 @@ AI void base3_step(__m512i *acc, const uint8_t *step, const int32_t *xs, int64_t
     }
 }
 
-static void base3_tile(const Base3 *a, int64_t t, const int32_t *xd, const int64_t *xoff, const float *unit,
-                       const float *gsum, float *y, const uint8_t *next) {
-    (void)xoff; /* layout 1's */
+static void base3_tile(const Base3 *a, int64_t t, const int32_t *xd, const float *unit, const float *gsum, float *y,
+                       const uint8_t *next) {
     const uint8_t *base = a->tiles + t * a->steps * 64;
     const int64_t ahead = next ? next - base : 0, S = a->S;
     __m512i low[3];
@@ -2923,97 +2906,99 @@ static void base3_tile(const Base3 *a, int64_t t, const int32_t *xd, const int64
 #endif
 
 #if HAVE_TILES_AVX2
-/* Base-3 tiles on AVX2: half a tile (8 rows) at a time as the 4- and 2-bit ones. A digit of weight w comes off by
- * two conditional subtractions (r1 = min(t, t - w), r2 = min(r1, r1 - w), bytes unsigned, so t - w wraps above t
- * when t < w) and d = 2 - [t = r1] - [r1 = r2] (the last two digits of the rest below 9 by byte lookups); then
- * vpmaddubsw against the input digits of its columns. A step adds at most 5 * 2 * 2 * 128 to a 16-bit sum, so a
- * block's (at most 8 steps) stays exact. */
+/* Base-3 tiles on AVX2: the same copy and input dwords as the VNNI ones, half a tile (8 rows) at a time. A
+ * super-block's digits are separated once into a scratch of 5 digit vectors a step (32 bytes each, L1), unscaled
+ * (base3_digits_avx2); then each digit vector's steps meet its block's input digits in vpmaddubsw: 3 sums of 16-bit
+ * lanes a block, each step adding at most 2 * 2 * 128 = 512 to a lane, so a super-block's (at most 32 steps) stays
+ * exact. (Sixteen registers do not hold the 15 sums of a step's five blocks at once; the scratch is what lets a
+ * block's sums live in registers.) */
 
-/* the input digits of block b (see the VNNI base3_block_input): 8 columns a vector, then each step's 60 bytes */
-static int base3_block_input(const Base3 *a, const float *x, int32_t *xd, const int64_t *xoff, float *unit,
-                             float *gsum, int64_t b) {
-    const int64_t c0 = b * a->bw, c1 = c0 + a->bw < a->cols ? c0 + a->bw : a->cols, k0 = c0 / 20;
+static int base3_block_input(const Base3 *a, const float *x, int32_t *xd, float *unit, float *gsum, int64_t b) {
+    const int64_t c0 = b * a->bw, c1 = c0 + a->bw < a->cols ? c0 + a->bw : a->cols;
     float fac;
     if (!block_scale8(x, c0, c1, &fac, &unit[b])) return 0;
-    /* the pieces by column from the block's first step, zero outside the block: tp[p][c - 20 k0]; a block of at most
-     * 128 columns touches at most 8 steps (160 columns) */
-    int8_t tp[3][256];
+    int8_t tp[3][144]; /* a block's (<= 128) columns, written 8 at a time, zero past the block */
     memset(tp, 0, sizeof tp);
     int8_t *const out[3] = {tp[0], tp[1], tp[2]};
     __m256i vsum = _mm256_setzero_si256();
-    for (int64_t c = c0; c < c1; c += 8) block_pieces8(x, c, c1, _mm256_set1_ps(fac), &vsum, out, c - 20 * k0);
-    int8_t *d = (int8_t *)(xd + xoff[b]);
-    const int64_t nsteps = (xoff[b + 1] - xoff[b]) / 15;
-    for (int64_t k = 0; k < nsteps; k++)
-        for (int j = 0; j < 5; j++)
-            for (int p = 0; p < 3; p++)
-                for (int i = 0; i < 4; i++) d[(k * 15 + j * 3 + p) * 4 + i] = tp[p][20 * k + 5 * i + j];
+    for (int64_t c = c0; c < c1; c += 8) block_pieces8(x, c, c1, _mm256_set1_ps(fac), &vsum, out, c - c0);
+    base3_place_input(a, xd, (const int8_t(*)[144])tp, b);
     gsum[b] = (float)((double)hsum8_epi32(vsum) * (double)unit[b]);
     return 1;
 }
 
-/* digit of weight w off both halves' bytes t[h] (left with the rest), times the 3 input pieces at xs; w = 3 (the rest
- * below 9) by two byte lookups, which take the shuffle pipes the products leave free */
-AI void base3_digit_avx2(__m256i s16[2][3], __m256i t[2], const int w, const int32_t *xs) {
-    const __m256i vw = _mm256_set1_epi8((char)w), two = _mm256_set1_epi8(2);
-    const __m256i x0 = _mm256_set1_epi32(xs[0]), x1 = _mm256_set1_epi32(xs[1]), x2 = _mm256_set1_epi32(xs[2]);
-    for (int h = 0; h < 2; h++) {
-        __m256i d = t[h];
-        if (w == 3) {
-            const __m128i div3 = _mm_setr_epi8(0, 0, 0, 1, 1, 1, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0);
-            const __m128i mod3 = _mm_setr_epi8(0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 0, 0, 0, 0, 0, 0);
-            d = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(div3), t[h]);
-            t[h] = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(mod3), t[h]);
-        } else if (w > 1) {
-            const __m256i r1 = _mm256_min_epu8(t[h], _mm256_sub_epi8(t[h], vw));
-            const __m256i r2 = _mm256_min_epu8(r1, _mm256_sub_epi8(r1, vw));
-            d = _mm256_add_epi8(_mm256_add_epi8(two, _mm256_cmpeq_epi8(t[h], r1)), _mm256_cmpeq_epi8(r1, r2));
-            t[h] = r2;
-        }
-        maddubs_add(&s16[h][0], d, x0);
-        maddubs_add(&s16[h][1], d, x1);
-        maddubs_add(&s16[h][2], d, x2);
+/* the digits of 32 bytes t, unscaled, to d[j]: r = t mod w = min(t, t - w, t - 2 w) on unsigned bytes (a subtraction
+ * that wraps lands above t), then d from t - r in {0, w, 2 w}: by a shift for w = 81 (0, 1, 2 times 64 and more), by
+ * a byte lookup of its low nibble for w = 27 and 9 (0, 11, 6 and 0, 9, 2); the rest below 9 by two lookups */
+AI void base3_digits_avx2(__m256i t, __m256i d[5]) {
+    const __m256i t27 = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0,
+                                         0, 1, 0, 0, 0, 0);
+    const __m256i t9 = _mm256_setr_epi8(0, 0, 2, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 1,
+                                        0, 0, 0, 0, 0, 0);
+    const __m256i div3 = _mm256_setr_epi8(0, 0, 0, 1, 1, 1, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 0,
+                                          0, 0, 0, 0, 0, 0);
+    const __m256i mod3 = _mm256_setr_epi8(0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 0, 0, 0, 0, 0, 0, 0, 1, 2, 0, 1, 2, 0, 1, 2, 0,
+                                          0, 0, 0, 0, 0, 0);
+    static const int w[3] = {81, 27, 9};
+    for (int i = 0; i < 3; i++) {
+        const __m256i r = _mm256_min_epu8(_mm256_min_epu8(t, _mm256_sub_epi8(t, _mm256_set1_epi8((char)w[i]))),
+                                          _mm256_sub_epi8(t, _mm256_set1_epi8((char)(2 * w[i]))));
+        const __m256i dw = _mm256_sub_epi8(t, r);
+        d[4 - i] = i == 0   ? _mm256_and_si256(_mm256_srli_epi16(dw, 6), _mm256_set1_epi8(3))
+                   : i == 1 ? _mm256_shuffle_epi8(t27, dw)
+                            : _mm256_shuffle_epi8(t9, dw);
+        t = r;
     }
+    d[1] = _mm256_shuffle_epi8(div3, t);
+    d[0] = _mm256_shuffle_epi8(mod3, t);
 }
 
-static void base3_tile(const Base3 *a, int64_t t, const int32_t *xd, const int64_t *xoff, const float *unit,
-                       const float *gsum, float *y, const uint8_t *next) {
+static void base3_tile(const Base3 *a, int64_t t, const int32_t *xd, const float *unit, const float *gsum, float *y,
+                       const uint8_t *next) {
     const uint8_t *base = a->tiles + t * a->steps * 64;
-    const int64_t ahead = next ? next - base : 0;
+    const int64_t ahead = next ? next - base : 0, S = a->S;
     const __m256i ones = _mm256_set1_epi16(1);
     const int64_t per_group = a->ngroups == 1 ? a->nblocks : a->group / a->bw;
+    __m256i digits[5][32]; /* a super-block's digit vectors of one half tile: [j][kk], S <= 32 */
     __m256 total[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, total_off[2] = {total[0], total[0]};
-    for (int64_t b = 0, g = 0, in_g = 0; b < a->nblocks; b++, in_g++) {
-        if (in_g == per_group) {
-            g++;
-            in_g = 0;
+    for (int64_t s = 0, b0 = 0, g = 0, in_g = 0; s < a->nsuper; s++) {
+        int64_t side[5]; /* the blocks' groups' first side values */
+        const int nb = a->nblocks - b0 < 5 ? (int)(a->nblocks - b0) : 5;
+        for (int j = 0; j < nb; j++, in_g++) {
+            if (in_g == per_group) {
+                g++;
+                in_g = 0;
+            }
+            side[j] = (t * a->ngroups + g) * 16;
         }
-        const int64_t c0 = b * a->bw, c1 = c0 + a->bw < a->cols ? c0 + a->bw : a->cols;
-        const int64_t k0 = c0 / 20, k1 = (c1 - 1) / 20 + 1;
-        const int32_t *xb = xd + xoff[b];
-        __m256i s16[2][3];
-        for (int h = 0; h < 2; h++)
-            for (int p = 0; p < 3; p++) s16[h][p] = _mm256_setzero_si256();
-        for (int64_t k = k0; k < k1; k++) {
-            prefetch_line(base + k * 64, ahead);
-            __m256i tv[2] = {_mm256_loadu_si256((const __m256i *)(base + k * 64)),
-                             _mm256_loadu_si256((const __m256i *)(base + k * 64 + 32))};
-            const int32_t *xs = xb + (k - k0) * 15;
-            base3_digit_avx2(s16, tv, 81, xs + 12);
-            base3_digit_avx2(s16, tv, 27, xs + 9);
-            base3_digit_avx2(s16, tv, 9, xs + 6);
-            base3_digit_avx2(s16, tv, 3, xs + 3);
-            base3_digit_avx2(s16, tv, 1, xs);
+        const uint8_t *steps = base + s * S * 64;
+        const int32_t *xs = xd + s * S * 15;
+        for (int h = 0; h < 2; h++) {
+            for (int64_t kk = 0; kk < S; kk++) {
+                if (!h) prefetch_line(steps + kk * 64, ahead);
+                __m256i d[5];
+                base3_digits_avx2(_mm256_loadu_si256((const __m256i *)(steps + kk * 64 + 32 * h)), d);
+                for (int j = 0; j < 5; j++) digits[j][kk] = d[j];
+            }
+            for (int j = 0; j < nb; j++) {
+                __m256i s16[3] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+                for (int64_t kk = 0; kk < S; kk++) {
+                    const int32_t *xk = xs + kk * 15 + 3 * j;
+                    maddubs_add(&s16[0], digits[j][kk], _mm256_set1_epi32(xk[0]));
+                    maddubs_add(&s16[1], digits[j][kk], _mm256_set1_epi32(xk[1]));
+                    maddubs_add(&s16[2], digits[j][kk], _mm256_set1_epi32(xk[2]));
+                }
+                /* |sum q X| <= 2 * 2^22 * 128: the pieces combine exactly in int32 */
+                const __m256i q0 = _mm256_madd_epi16(s16[0], ones), q1 = _mm256_madd_epi16(s16[1], ones);
+                const __m256i q2 = _mm256_madd_epi16(s16[2], ones);
+                const __m256 dot = _mm256_cvtepi32_ps(
+                    _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(q2, 16), _mm256_slli_epi32(q1, 8)), q0));
+                tiles_block_sum8(&total[h], &total_off[h], dot, unit[b0 + j], a->scale,
+                                 a->symmetric ? NULL : a->offset, a->scale_f32, side[j] + 8 * h, 1.0f,
+                                 gsum[b0 + j]); /* symmetric: q - (L - 1) / 2 = q - 1 */
+            }
         }
-        const int64_t side = (t * a->ngroups + g) * 16;
-        for (int h = 0; h < 2; h++) { /* |sum q X| <= 2 * 2^22 * 128: the pieces combine exactly in int32 */
-            const __m256i q0 = _mm256_madd_epi16(s16[h][0], ones), q1 = _mm256_madd_epi16(s16[h][1], ones);
-            const __m256i q2 = _mm256_madd_epi16(s16[h][2], ones);
-            const __m256 dot = _mm256_cvtepi32_ps(
-                _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(q2, 16), _mm256_slli_epi32(q1, 8)), q0));
-            tiles_block_sum8(&total[h], &total_off[h], dot, unit[b], a->scale, a->symmetric ? NULL : a->offset,
-                             a->scale_f32, side + 8 * h, 1.0f, gsum[b]); /* symmetric: q - (L - 1) / 2 = q - 1 */
-        }
+        b0 += nb;
     }
     store_tile8x2(y, t, a->rows, total, total_off);
 }
@@ -3029,24 +3014,14 @@ API int accel_base3_tiled_matvec(const uint8_t *tiles, int symmetric, int scale_
 #if HAVE_VNNI || HAVE_TILES_AVX2
     if (tiled_kinds() & 1 << 3) {
         const int64_t ntiles = (rows + 15) / 16;
-        int64_t *xoff = NULL, nxd = a.nsuper * a.S * 15; /* layout 2: 15 input dwords a step */
-        if (BASE3_LAYOUT == 1) { /* each block's input digits from its first step to its last */
-            xoff = xalloc((size_t)(a.nblocks + 1) * sizeof(int64_t));
-            xoff[0] = 0;
-            for (int64_t b = 0; b < a.nblocks; b++) {
-                const int64_t c0 = b * a.bw, c1 = c0 + a.bw < cols ? c0 + a.bw : cols;
-                xoff[b + 1] = xoff[b] + ((c1 - 1) / 20 + 1 - c0 / 20) * 15;
-            }
-            nxd = xoff[a.nblocks];
-        }
-        int32_t *xd = xalloc((size_t)nxd * sizeof(int32_t));
+        int32_t *xd = xalloc((size_t)(a.nsuper * a.S * 15) * sizeof(int32_t)); /* 15 input dwords a step */
         float *unit = xalloc((size_t)a.nblocks * 2 * sizeof(float));
         int ok = 1;
 #pragma omp parallel num_threads(nt) /* the input's blocks, then (after the barrier) the tiles */
         {
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < a.nblocks; b++)
-                if (!base3_block_input(&a, x, xd, xoff, unit, unit + a.nblocks, b)) {
+                if (!base3_block_input(&a, x, xd, unit, unit + a.nblocks, b)) {
 #pragma omp atomic write
                     ok = 0;
                 }
@@ -3054,11 +3029,10 @@ API int accel_base3_tiled_matvec(const uint8_t *tiles, int symmetric, int scale_
                 int64_t t0, t1;
                 thread_range(ntiles, &t0, &t1);
                 for (int64_t t = t0; t < t1; t++)
-                    base3_tile(&a, t, xd, xoff, unit, unit + a.nblocks, y,
+                    base3_tile(&a, t, xd, unit, unit + a.nblocks, y,
                                t + 1 < t1 ? a.tiles + (t + 1) * a.steps * 64 : NULL);
             }
         }
-        free(xoff);
         free(xd);
         free(unit);
         if (ok) return 0;
