@@ -153,10 +153,12 @@ def test_int2_field_extractions_agree_bit_for_bit(rng, symmetric, group):
 
 
 @pytest.mark.parametrize("shape", [(1, 23), (17, 200), (40, 1027)], ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("symmetric,group", [(False, 64), (True, 7), (False, 4096), (True, 45), (False, 100)])
+@pytest.mark.parametrize("symmetric,group", [(False, 64), (True, 7), (False, 4096), (True, 45), (False, 100),
+                                             (True, 256), (False, 192)])
 def test_base3_tile_copy(rng, shape, symmetric, group):
-    """Base-3 codes regrouped by row into 16-row tiles (digits by comparisons, integer products): blocks that do not
-    start on a 20-column step, one group a row, odd widths; decode bit-exact; the float path over the tiles."""
+    """Base-3 codes in 16-row tiles (five blocks' digits a byte, integer products): blocks of whole and partial
+    dwords, several blocks a group, one group a row, odd widths, super-blocks short of blocks; decode bit-exact; the
+    float path over the tiles."""
     lib = _build.library()
     w = rng.standard_normal(shape)
     entry, arrays = encode_tensor("w", w, "affine", layout="base", levels=3, group=group, symmetric=symmetric)
