@@ -220,10 +220,11 @@ def test_affine_stored_layout_is_recovered(rng, shape, levels, layout, symmetric
         assert np.array_equal(got[name].reshape(-1).view(np.uint8), np.ascontiguousarray(part).reshape(-1).view(np.uint8))
 
 
-def test_affine_float32_scales(simd, rng):
+@pytest.mark.parametrize("levels,layout", [(16, "packed"), (3, "base")])
+def test_affine_float32_scales(simd, rng, levels, layout):
     w = rng.standard_normal((19, 70)) * 1e5  # too large for fp16 scales: the codec stores float32
     for symmetric in (False, True):
-        entry, arrays = encode_tensor("w", w, "affine", levels=16, group=32, symmetric=symmetric)
+        entry, arrays = encode_tensor("w", w, "affine", layout=layout, levels=levels, group=32, symmetric=symmetric)
         assert entry.params["scale_dtype"] == "float32"
         _check_matvec(entry, _parts(entry, arrays), rng)
 
