@@ -157,14 +157,20 @@ _SIGNATURES = {
 }
 
 
-def load(path: Path) -> ctypes.CDLL:
-    """A built kernel library at path, with argument types set; raises KernelUnavailable."""
+def load(path: Path, missing_ok: bool = False) -> ctypes.CDLL:
+    """A built kernel library at path, with argument types set; raises KernelUnavailable. missing_ok: a library
+    built from another revision of the source may lack some of today's functions (bench/kernel_ab.py)."""
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as exc:
         raise KernelUnavailable(f"cannot load the accel CPU kernels from {path}: {exc}") from None
     for name, (args, res) in _SIGNATURES.items():
-        fn = getattr(lib, name)
+        try:
+            fn = getattr(lib, name)
+        except AttributeError:
+            if missing_ok:
+                continue
+            raise
         fn.argtypes = args
         fn.restype = res
     return lib
