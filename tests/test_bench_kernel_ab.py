@@ -31,10 +31,9 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
     assert run.stderr.startswith("error: ") and message in run.stderr and "Traceback" not in run.stderr
 
 
-@pytest.mark.slow
 def test_head_against_itself_agrees_bit_for_bit():
-    """The revision's library is built from git's copy of the sources (a second build, about half a minute): at HEAD
-    the two arms compute the same bits, and both are timed."""
+    """The revision's library is built from git's copy of the sources (a second build, a few seconds): at HEAD the
+    two arms compute the same bits, and both are timed."""
     if not _in_git_checkout():
         pytest.skip("not a git checkout")
     run = _run("--rev", "HEAD", "--kernels", "int4,base3", "--shapes", "64x200", "--threads", "1", "--footprint",
