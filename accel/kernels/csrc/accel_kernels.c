@@ -73,7 +73,7 @@ API int accel_set_simd(int on) {
 /* How the VNNI tiles take 2-bit fields 1..3 out of a code byte: 0 one gf2p8affineqb, 1 a shift and an AND. Zen 4
  * (AMD family 25 with AVX-512) runs gf2p8affineqb, like vpcmpub, on the one pipe that also runs its 512-bit
  * vpdpbusd (one a cycle), and its shifts beside it, so there the shift is faster (int2 4096x4096, one thread, in
- * cache: 303 -> 278 us); on the host where gf2p8affineqb was chosen (2026-12-03) it made int2 1.1x faster. GCC 12's
+ * cache, the two alternated in one process: 298-301 -> 270-272 us); on the host where gf2p8affineqb was chosen (2026-12-03) it made int2 1.1x faster. GCC 12's
  * -march=native does not tell Zen 4 from Zen 3 (both znver3), so the CPU is asked at load. */
 static int g_fields_by_shift;
 __attribute__((constructor)) static void fields_by_shift_init(void) {
@@ -3088,8 +3088,8 @@ API void accel_copy(float *dst, const float *src, int64_t n, int nthreads) {
  * to, in two patterns because the faster one changes with the host. streams = 2: two streams in turn (4 KB blocks
  * from each half alternately, each line prefetched 1 KB ahead), the fastest in a scratch probe against 1-8 streams
  * a thread, 1 or 4 KB blocks and other prefetch distances and levels on the Zen 5 host (36-38 GB/s, 2026-12-03).
- * streams = 1: one plain stream, no software prefetch, the fastest on the Zen 4 host (35-39 GB/s against 15-28 for
- * streams = 2, 2026-12-06; docs/kernels.md, "Streaming"). */
+ * streams = 1: one plain stream, no software prefetch, the fastest on the Zen 4 host (28-68 GB/s against 20-30 for
+ * streams = 2 in each of the 36 probe pairs of six bench/gemv.py runs, 2026-12-06; docs/kernels.md, "Streaming"). */
 API float accel_read(const float *src, int64_t n, int nthreads, int streams) {
     int nt = threads_for(nthreads, (double)n);
     float total = 0.0f;
