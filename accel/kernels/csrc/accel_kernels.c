@@ -2874,7 +2874,6 @@ static void base3_tile(const Base3 *a, int64_t t, const int32_t *xd, const float
     for (int j = 0; j < 3; j++) low[j] = _mm512_loadu_si512(g_base3_low[j]);
     const int64_t per_group = a->ngroups == 1 ? a->nblocks : a->group / a->bw;
     __m512 total = _mm512_setzero_ps(), total_off = _mm512_setzero_ps();
-    int64_t b = 0, g = 0, in_g = 0; /* block, its group, its place in the group */
     for (int64_t s = 0; s < a->nsuper; s++) {
         const uint8_t *steps = base + s * S * 64;
         const int32_t *xs = xd + s * S * 15;
@@ -2886,15 +2885,12 @@ static void base3_tile(const Base3 *a, int64_t t, const int32_t *xd, const float
             for (int u = 0; u < 4; u++) base3_step(acc, steps + (kk + u) * 64, xs + (kk + u) * 15, ahead, low);
         for (; kk < S; kk++) base3_step(acc, steps + kk * 64, xs + kk * 15, ahead, low);
 #pragma GCC unroll 5
-        for (int j = 0; j < 5; j++, b++, in_g++) {
+        for (int j = 0; j < 5; j++) {
+            const int64_t b = 5 * s + j;
             if (b >= a->nblocks) break;
-            if (in_g == per_group) {
-                g++;
-                in_g = 0;
-            }
             /* digits as they are: |sum q X| < 2^31, exact in int32; 3^j d_j by the float path */
             const __m512 dot = pieces_dot(acc[3 * j], acc[3 * j + 1], acc[3 * j + 2], j < BASE3_LOOKUPS || j == 0);
-            const int64_t side = (t * a->ngroups + g) * 16; /* symmetric: q - (L - 1) / 2 = q - 1 */
+            const int64_t side = (t * a->ngroups + b / per_group) * 16; /* symmetric: q - (L - 1) / 2 = q - 1 */
             tiles_block_sum(&total, &total_off, dot, unit[b], tiled_side(a->scale, a->scale_f32, side),
                             a->symmetric ? NULL : (const uint8_t *)a->offset, a->scale_f32, side, 1.0f, gsum[b]);
         }
@@ -2961,16 +2957,11 @@ static void base3_tile(const Base3 *a, int64_t t, const int32_t *xd, const float
     const int64_t per_group = a->ngroups == 1 ? a->nblocks : a->group / a->bw;
     __m256i digits[5][32]; /* a super-block's digit vectors of one half tile: [j][kk], S <= 32 */
     __m256 total[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, total_off[2] = {total[0], total[0]};
-    for (int64_t s = 0, b0 = 0, g = 0, in_g = 0; s < a->nsuper; s++) {
-        int64_t side[5]; /* the blocks' groups' first side values */
+    for (int64_t s = 0; s < a->nsuper; s++) {
+        const int64_t b0 = 5 * s;
         const int nb = a->nblocks - b0 < 5 ? (int)(a->nblocks - b0) : 5;
-        for (int j = 0; j < nb; j++, in_g++) {
-            if (in_g == per_group) {
-                g++;
-                in_g = 0;
-            }
-            side[j] = (t * a->ngroups + g) * 16;
-        }
+        int64_t side[5]; /* the blocks' first side values (their groups' scales and offsets) */
+        for (int j = 0; j < nb; j++) side[j] = (t * a->ngroups + (b0 + j) / per_group) * 16;
         const uint8_t *steps = base + s * S * 64;
         const int32_t *xs = xd + s * S * 15;
         for (int h = 0; h < 2; h++) {
@@ -2998,7 +2989,6 @@ static void base3_tile(const Base3 *a, int64_t t, const int32_t *xd, const float
                                  gsum[b0 + j]); /* symmetric: q - (L - 1) / 2 = q - 1 */
             }
         }
-        b0 += nb;
     }
     store_tile8x2(y, t, a->rows, total, total_off);
 }
