@@ -74,6 +74,14 @@ def make_weight(kind: str, rows: int, cols: int, rng: np.random.Generator):
     return entry, parts
 
 
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """"ROWSxCOLS[,ROWSxCOLS...]" as (rows, cols) pairs; ValueError if it is not that."""
+    shapes = [tuple(int(n) for n in s.split("x")) for s in text.split(",") if s]
+    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
+        raise ValueError(text)
+    return shapes
+
+
 def _replicas(parts: dict[str, np.ndarray], nbytes: int, footprint: int) -> list[dict[str, np.ndarray]]:
     copies = max(1, min(64, -(-footprint // max(nbytes, 1))))
     return [parts] + [{k: v.copy() for k, v in parts.items()} for _ in range(copies - 1)]
@@ -249,9 +257,7 @@ def main() -> None:
     shapes = QUICK_SHAPES if args.quick else SHAPES
     if args.shapes:
         try:
-            shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",") if s]
-            if any(len(s) != 2 or min(s) < 1 for s in shapes):
-                raise ValueError
+            shapes = parse_shapes(args.shapes)
         except ValueError:
             ap.error(f"--shapes: expected ROWSxCOLS[,ROWSxCOLS...], got {args.shapes!r}")
     result = run(shapes, kernels, args.threads, 0.2 if args.quick else 1.0, args.footprint * 2**20)

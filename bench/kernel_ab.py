@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gemv import KERNELS, _replicas, _time_arms, make_weight
+from bench.gemv import KERNELS, _replicas, _time_arms, make_weight, parse_shapes
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = "accel/kernels/csrc"
@@ -116,16 +116,6 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _shapes(text: str) -> list[tuple[int, int]]:
-    try:
-        shapes = [tuple(int(n) for n in s.split("x")) for s in text.split(",") if s]
-    except ValueError:
-        shapes = []
-    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
-        raise Refused(f"--shapes: expected ROWSxCOLS[,ROWSxCOLS...], got {text!r}")
-    return shapes
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rev", default="HEAD", help="git revision whose kernels are the base arm (default HEAD)")
@@ -143,7 +133,10 @@ def main() -> None:
             raise Refused(f"--kernels: unknown {unknown or 'none given'}; known: {','.join(KERNELS)}")
         if args.threads < 1 or args.footprint < 0 or not args.seconds > 0:
             raise Refused("--threads must be >= 1, --footprint >= 0 and --seconds > 0")
-        shapes = _shapes(args.shapes)
+        try:
+            shapes = parse_shapes(args.shapes)
+        except ValueError:
+            raise Refused(f"--shapes: expected ROWSxCOLS[,ROWSxCOLS...], got {args.shapes!r}") from None
         from accel.kernels import _build
 
         with tempfile.TemporaryDirectory(prefix="kernel-ab-") as tmp:
