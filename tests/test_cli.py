@@ -258,6 +258,9 @@ def _corrupt_doc(mutate):
     (_corrupt_doc(lambda d: d.update(version=99)), "format version 99 is newer"),
     (_corrupt_doc(lambda d: d["tensors"]["model.norm.weight"].update(shape=[7])), "shape mismatch"),
     (_corrupt_doc(lambda d: d["tensors"]["model.norm.weight"]["parts"].update(values="nope")), "'nope' is missing"),
+    (_corrupt_doc(lambda d: d.update(maps=[])), "the document's 'maps' is not an object"),
+    (_corrupt_doc(lambda d: d.update(maps={"state": {"method": "damp", "params": {}, "arrays": 5}})),
+     "the state map lacks method, params or arrays"),
 ])
 def test_corrupt_outputs_are_one_line_errors(capsys, rtn4, tmp_path, corrupt, message):
     import shutil

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from accel.errors import FormatError
 from accel.formats import AccelFile, Artifact, encode_tensor, write_file, write_weights
 from accel.formats.container import FORMAT_VERSION
+from accel.formats.tensor import decode_parts
 
 
 def _encoded(rng):
@@ -80,6 +81,28 @@ def test_sharded_output_reads_back_like_one_file(tmp_path, rng):
     for name in one.names:
         assert np.array_equal(one.decode(name), many.decode(name))
         assert one.report(name) == many.report(name)
+
+
+@pytest.mark.parametrize("weight_map", [{"a": ["model.safetensors"]}, {"a": "model-00001-of-00003.safetensors", "b": 5},
+                                        {"a": "../model.safetensors"}])
+def test_shard_index_naming_no_file_is_refused(tmp_path, rng, weight_map):
+    """A list or a number among the index's shard names was a TypeError (sorting or hashing them)."""
+    write_weights(tmp_path, _encoded(rng), max_shard_bytes=100)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(FormatError, match="not a shard file name"):
+        Artifact(tmp_path)
+
+
+def test_a_palette_group_wider_than_the_row_decodes_as_one_group(tmp_path, rng):
+    """The lut codec's group was not clamped to the row as affine's is: a file with group 2^30 (its palette shape the
+    same: one group a row) decoded through a (rows, 2^30) array, 24 GiB from a 732-byte file."""
+    x = rng.standard_normal((3, 5)).astype(np.float32)
+    entry, arrays = encode_tensor("w", x, "lut", levels=4, group=8)
+    path = tmp_path / "t.safetensors"
+    write_file(path, [entry], arrays)
+    _rewrite_doc(path, lambda d: d["tensors"]["w"]["params"].update(group=2**30))
+    f = AccelFile(path)
+    assert np.array_equal(f.decode("w"), decode_parts(entry, {p: arrays[n] for p, n in entry.parts.items()}))
 
 
 def test_truncated_file_is_refused(tmp_path, rng):
@@ -162,6 +185,39 @@ def test_mistyped_document_fields_are_refused(tmp_path, rng, mutate):
     path = _write(tmp_path / "t.safetensors", rng)
     _rewrite_doc(path, mutate)
     with pytest.raises(FormatError):
+        AccelFile(path)
+
+
+@pytest.mark.parametrize("mutate,message", [
+    (lambda d: d.update(version=True), "format version True is not valid"),
+    (lambda d: d["tensors"]["a.weight"].update(shape=[2**32] * 3), "2\\^40 elements or more"),
+    (lambda d: d["tensors"]["a.weight"].update(codec=5), "t.safetensors: tensor 'a.weight'"),
+    (lambda d: d["tensors"].update({"c.weight": d["tensors"]["a.weight"]}), "belongs to another part as well"),
+])
+def test_document_holes_found_in_review_are_refused(tmp_path, rng, mutate, message):
+    """A boolean version (bool is an int in Python), a shape whose element count wraps int64 to 0, an entry error
+    without the file's name, and two entries sharing stored tensors (design: each belongs to exactly one) were read."""
+    path = _write(tmp_path / "t.safetensors", rng)
+    _rewrite_doc(path, mutate)
+    with pytest.raises(FormatError, match=message):
+        AccelFile(path)
+
+
+@pytest.mark.parametrize("where", ["header", "document"])
+@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, '{"x": "\\ud800"}'])
+def test_json_that_parses_badly_is_a_format_error(tmp_path, rng, where, text):
+    """Nesting deeper than the parser's recursion (RecursionError) and an escaped lone surrogate (which no UTF-8
+    writer can print back) ended in tracebacks."""
+    path = _write(tmp_path / "t.safetensors", rng)
+    header, data = _split(path)
+    if where == "header":
+        head = text.encode()
+        path.write_bytes(struct.pack("<Q", len(head)) + head + data)
+    else:
+        header["__metadata__"]["accel"] = text
+        header["__metadata__"]["accel_sha256"] = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+        _rewrite(path, header, data)
+    with pytest.raises(FormatError, match="not valid JSON"):
         AccelFile(path)
 
 

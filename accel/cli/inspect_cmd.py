@@ -48,9 +48,7 @@ def register(app: typer.Typer) -> None:
         stdout.print(f"quantized tensors: {bpw:.4f} bits/weight" if bpw is not None else "no quantized tensors")
         stdout.print(f"total: {_fmt_bytes(report['bytes'])} in {len(report['files'])} file(s), "
                      f"format version {report['format_version']}")
-        for kind, m in report["maps"].items():
-            params = m.get("params", {}) if isinstance(m, dict) else {}
-            shown = ", ".join(f"{k}={v}" for k, v in sorted(params.items()) if not isinstance(v, (dict, list)))
-            arrays = ", ".join(sorted(m.get("arrays", {}))) if isinstance(m, dict) else ""
-            stdout.print(f"{kind} map: {m.get('method') if isinstance(m, dict) else m} ({shown}); arrays: {arrays}",
+        for kind, m in report["maps"].items():  # each checked by Artifact.map_documents
+            shown = ", ".join(f"{k}={v}" for k, v in sorted(m["params"].items()) if not isinstance(v, (dict, list)))
+            stdout.print(f"{kind} map: {m['method']} ({shown}); arrays: {', '.join(sorted(m['arrays']))}",
                          markup=False)

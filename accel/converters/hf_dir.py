@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from accel.converters.sources import (
     pickle_refusal,
 )
 from accel.errors import AccelError, FormatError
+from accel.formats import jsontext
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -43,8 +43,8 @@ _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 def read_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        return jsontext.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
         raise FormatError(f"{path}: not valid JSON: {one_line(err)}") from err
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -10,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from accel.errors import AccelError
+from accel.formats import jsontext
 from accel.formats.artifact import MANIFEST_FILE, Artifact
 from accel.progress import SILENT, Progress
 
@@ -30,8 +30,8 @@ def is_accel_output(spec: str | Path) -> bool:
 
 def _json_object(path: Path) -> dict:
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        doc = jsontext.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
         return {}
     return doc if isinstance(doc, dict) else {}
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +10,7 @@ import numpy as np
 
 from accel.errors import AccelError, FormatError
 from accel.eval.load import model_config
+from accel.formats import jsontext
 from accel.formats.artifact import MANIFEST_FILE, Artifact, sidecar_files_sha256
 from accel.formats.container import AccelFile
 from accel.formats.filehash import file_faults
@@ -193,7 +193,7 @@ def verify_calibration(path: Path, progress: Progress = SILENT) -> dict[str, Any
     path = Path(path)
     errors: list[str] = []
     try:
-        manifest = json.loads((path / CALIB_MANIFEST).read_text(encoding="utf-8"))
+        manifest = jsontext.loads((path / CALIB_MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         manifest = None
         errors.append(f"{CALIB_MANIFEST}: cannot be read ({type(exc).__name__})")

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from accel.errors import AccelError, FormatError
+from accel.formats import jsontext
 from accel.formats.atomic import atomic_write_text
 from accel.formats.container import AccelFile, write_file
 from accel.formats.filehash import files_sha256
@@ -116,9 +117,12 @@ class Artifact:
             weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
             if not isinstance(weight_map, dict) or not weight_map:
                 raise FormatError(f"{index}: no weight_map")
+            for shard in weight_map.values():
+                if not isinstance(shard, str) or "/" in shard:
+                    raise FormatError(f"{index}: weight_map names {shard!r}, not a shard file name")
             shards = sorted(set(weight_map.values()))
             for shard in shards:
-                if not isinstance(shard, str) or "/" in shard or not (self.path / shard).is_file():
+                if not (self.path / shard).is_file():
                     raise FormatError(f"{index}: shard {shard!r} is missing")
             return [self.path / s for s in shards]
         single = self.path / WEIGHTS_FILE
@@ -137,13 +141,25 @@ class Artifact:
         if not path.exists():
             return None
         try:
-            return json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            return jsontext.loads(path.read_text(encoding="utf-8"))
+        except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError
             raise FormatError(f"{path}: not valid JSON ({exc.__class__.__name__})") from None
 
     @property
     def names(self) -> list[str]:
         return sorted(self.owner)
+
+    def map_documents(self) -> dict[str, dict[str, Any]]:
+        """The document's `maps`, each checked to be an object with a string `method`, and objects `params` and
+        `arrays` (what a map means is accel.quantize.maps' to check)."""
+        maps = self.extra.get("maps", {})
+        if not isinstance(maps, dict):
+            raise FormatError("the document's 'maps' is not an object")
+        for kind, doc in maps.items():
+            if not isinstance(doc, dict) or not isinstance(doc.get("method"), str) \
+                    or not isinstance(doc.get("params"), dict) or not isinstance(doc.get("arrays"), dict):
+                raise FormatError(f"the {kind} map lacks method, params or arrays")
+        return maps
 
     def entry(self, name: str) -> TensorEntry:
         return self.owner[name].entries[name]

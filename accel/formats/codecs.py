@@ -6,6 +6,7 @@ Codec parameters are JSON values kept in the container document.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -52,7 +53,7 @@ class Codec:
         return 0
 
     def code_count(self, params: dict, shape: tuple[int, ...]) -> int:
-        return int(np.prod(shape, dtype=np.int64))
+        return math.prod(shape)
 
     def streams(self, params: dict, shape: tuple[int, ...]) -> dict[str, tuple[int, int]]:
         """Code streams as part name -> (levels, count). One stream, `codes`, unless a codec has several;
@@ -103,7 +104,7 @@ def _rows(shape: tuple[int, ...]) -> tuple[int, int]:
     if len(shape) == 0:
         return 1, 1
     cols = shape[-1]
-    return (int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1), cols
+    return math.prod(shape[:-1]), cols
 
 
 class RawCodec(Codec, name="raw"):
@@ -294,7 +295,7 @@ class LutCodec(Codec, name="lut"):
 
     def decode(self, codes, side, params, shape):
         rows, cols = _rows(shape)
-        group = params["group"]
+        group = min(params["group"], max(cols, 1))  # one group spans the row: no wider padding (as affine)
         groups = -(-cols // group)
         c = np.zeros((rows, groups * group), dtype=np.int64)
         c[:, :cols] = codes.reshape(rows, cols)

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from accel.errors import FormatError
+from accel.formats import jsontext
 from accel.formats.atomic import atomic_write
 from accel.formats.dtypes import NUMPY_OF
 from accel.formats.tensor import TensorEntry, decode_parts, storage_dtype_of
@@ -104,8 +105,8 @@ class AccelFile:
         if n > MAX_HEADER_BYTES or 8 + n > self.size:
             raise self._fail(f"truncated or corrupt: header length {n} runs past the file's {self.size} bytes")
         try:
-            header = json.loads(bytes(self._map[8 : 8 + n]).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            header = jsontext.loads(bytes(self._map[8 : 8 + n]))
+        except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError
             raise self._fail(f"header is not valid JSON ({exc.__class__.__name__})") from None
         if not isinstance(header, dict):
             raise self._fail("header is not a JSON object")
@@ -140,17 +141,19 @@ class AccelFile:
         if not isinstance(meta, dict) or FORMAT_NAME not in meta:
             raise self._fail("not an accel file (no 'accel' document in __metadata__)")
         text, recorded = meta[FORMAT_NAME], meta.get(DOC_SHA256_KEY)
-        if recorded is not None and (not isinstance(text, str) or recorded != sha256_hex(text.encode("utf-8"))):
+        if not isinstance(text, str):
+            raise self._fail("the accel document is not a string")
+        try:
+            doc = jsontext.loads(text)
+        except ValueError:
+            raise self._fail("the accel document is not valid JSON") from None
+        if recorded is not None and recorded != sha256_hex(text.encode("utf-8")):
             raise self._fail(f"the accel document's SHA-256 differs from {DOC_SHA256_KEY} (it was changed after "
                              "it was written)")
-        try:
-            doc = json.loads(text)
-        except (TypeError, json.JSONDecodeError):
-            raise self._fail("the accel document is not valid JSON") from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
             raise self._fail("the accel document does not name its format")
         version = doc.get("version")
-        if not isinstance(version, int) or version < 1:
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
             raise self._fail(f"format version {version!r} is not valid")
         if version > FORMAT_VERSION:
             raise self._fail(f"format version {version} is newer than this accel reads ({FORMAT_VERSION}); "
@@ -165,8 +168,8 @@ class AccelFile:
         entries = {}
         claimed = set()
         for name in sorted(tensors):
-            entry = TensorEntry.from_json(name, tensors[name])
             try:
+                entry = TensorEntry.from_json(name, tensors[name])
                 expected = entry.expected_parts()
             except FormatError as exc:
                 raise self._fail(str(exc)) from None
@@ -182,6 +185,8 @@ class AccelFile:
                                      f"{list(expected[part][0])} {expected[part][1]} (shape mismatch)")
                 if not isinstance(checksums.get(stored), str):
                     raise self._fail(f"tensor '{name}': no checksum for stored tensor '{stored}'")
+                if stored in claimed:
+                    raise self._fail(f"tensor '{name}': stored tensor '{stored}' belongs to another part as well")
                 claimed.add(stored)
             entries[name] = entry
         unclaimed = sorted(set(self.stored) - claimed)

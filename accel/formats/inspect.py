@@ -26,7 +26,7 @@ def inspect_artifact(path: Path) -> dict[str, Any]:
             "files": [f.path.name for f in art.files],
             "format_version": art.files[0].doc["version"],
             "tensors": tensors,
-            "maps": art.extra.get("maps", {}),
+            "maps": art.map_documents(),
             "settings": (art.manifest or {}).get("settings", {}),
         }
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +14,7 @@ from accel.formats.codecs import get_codec
 from accel.formats.layouts import LAYOUT_ALIASES
 
 ROLES = ("quantized", "kept", "map", "data")
+MAX_ELEMENTS = 2**40  # a logical tensor's elements, and each of its sizes, stay below this
 
 
 @dataclass
@@ -41,8 +43,10 @@ class TensorEntry:
                         role=doc["role"], parts=doc["parts"])
         except (KeyError, TypeError) as exc:
             raise FormatError(f"tensor '{name}': document entry lacks or mangles {exc}") from None
-        if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape):
+        if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < MAX_ELEMENTS for d in shape):
             raise FormatError(f"tensor '{name}': shape {list(shape)} is not a list of sizes")
+        if math.prod(shape) >= MAX_ELEMENTS:
+            raise FormatError(f"tensor '{name}': shape {list(shape)} holds 2^40 elements or more")
         if not isinstance(entry.params, dict) or not isinstance(entry.parts, dict):
             raise FormatError(f"tensor '{name}': params and parts must be objects")
         if not all(isinstance(v, str) for v in (entry.codec, entry.layout, entry.role, *entry.parts.values())):
@@ -53,7 +57,7 @@ class TensorEntry:
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     def expected_parts(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """Part name -> (shape, safetensors dtype) the codec and layout imply; validates params and layout."""

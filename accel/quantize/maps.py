@@ -155,16 +155,10 @@ def encode_map(stored: StoredMap) -> tuple[dict[str, Any], list[tuple[TensorEntr
 
 def read_maps(art: Any) -> dict[str, StoredMap]:
     """The maps of an Artifact, validated as far as the document goes (shapes against a model: `check`)."""
-    maps_doc = art.extra.get("maps", {}) if hasattr(art, "extra") else {}
-    if not isinstance(maps_doc, dict):
-        raise FormatError("the document's 'maps' is not an object")
     out = {}
-    for kind, doc in sorted(maps_doc.items()):
+    for kind, doc in sorted(art.map_documents().items()):
         if kind not in KINDS:
             raise FormatError(f"unknown map kind {kind!r}")
-        if not isinstance(doc, dict) or not isinstance(doc.get("method"), str) \
-                or not isinstance(doc.get("params"), dict) or not isinstance(doc.get("arrays"), dict):
-            raise FormatError(f"the {kind} map lacks method, params or arrays")
         get_method(kind, doc["method"])
         arrays = {}
         for key, ref in doc["arrays"].items():

@@ -15,8 +15,10 @@ import numpy as np
 from accel import __version__
 from accel.calibrate import CALIB_MANIFEST
 from accel.errors import AccelError
+from accel.formats import jsontext
 from accel.formats.artifact import MANIFEST_FILE, Artifact, sidecar_files_sha256, write_weights
 from accel.formats.atomic import atomic_write_text, check_output_dir, output_dir
+from accel.formats.container import FORMAT_VERSION
 from accel.formats.filehash import file_sha256
 from accel.formats.layouts import get_layout
 from accel.formats.tensor import decode_parts, encode_tensor
@@ -51,7 +53,7 @@ def check_calibration_model(calib: Path, files_sha256: dict[str, str]) -> None:
     if not path.is_file():
         return  # a directory that is no calibration at all is refused by the Hessian or map reader that needs it
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = jsontext.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise AccelError(f"--calib {calib}: {CALIB_MANIFEST} cannot be read ({type(exc).__name__}); the calibration "
                          f"is damaged: run accel calibrate again") from None
@@ -215,7 +217,7 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
             write_weights(tmp, encoded, settings.max_shard_bytes, extra={"maps": maps_doc} if maps_doc else None)
             source.save_support_files(tmp)
             config = dict(source.config)
-            config["accel"] = {"format_version": 1, "weights": settings.weights,
+            config["accel"] = {"format_version": FORMAT_VERSION, "weights": settings.weights,
                                **{kind: getattr(settings, kind) for kind in maps}}
             (tmp / "config.json").write_bytes(config_json_bytes(config))
             summary = {e.name: {"codec": e.codec, "layout": e.layout, "role": e.role,

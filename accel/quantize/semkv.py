@@ -22,7 +22,6 @@ before coding, multiplied back on decode). See docs/semkv.md.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from accel.errors import AccelError, FormatError
+from accel.formats import jsontext
 from accel.quantize.maps import BuildContext, MapMethod, Runtime, StoredMap
 from accel.runtime.kv_cache import (
     BASES,
@@ -399,7 +399,7 @@ def load_kv_calibration(calib: Path, config: dict[str, Any]) -> KVCalibration:
     if not report_path.is_file():
         raise AccelError(f"--calib {calib}: no KV calibration (run `accel calibrate MODEL --for kv` first)")
     try:
-        report = json.loads(report_path.read_text())
+        report = jsontext.loads(report_path.read_text())
     except ValueError:
         raise AccelError(f"--calib {calib}: {report_path.name} is not JSON") from None
     problem = _kv_report_problem(report)

@@ -35,6 +35,7 @@ from accel.converters.coreml.ane_llama import (
 )
 from accel.converters.coreml.encodings import EncodedWeight, encoding_names, get_encoding
 from accel.errors import AccelError, FormatError
+from accel.formats import jsontext
 from accel.progress import SILENT, Progress
 
 PACKAGE_SUFFIX = ".mlpackage"
@@ -595,7 +596,7 @@ def package_item_path(package: Path, name: str) -> Path:
     package = Path(package)
     manifest_path = package / "Manifest.json"
     try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        manifest = jsontext.loads(manifest_path.read_text(encoding="utf-8"))
         entries = manifest["itemInfoEntries"]
         for entry in entries.values():
             if entry.get("author") == ACCEL_AUTHOR and entry.get("name") == name:
@@ -631,7 +632,7 @@ def package_files_sha256(package: Path) -> dict[str, str]:
 def read_manifest(package: Path) -> dict[str, Any]:
     """The package's accel manifest, its fields checked (manifest_problem) before anything reads them."""
     try:
-        doc = json.loads(read_package_item(package, MANIFEST_ITEM))
+        doc = jsontext.loads(read_package_item(package, MANIFEST_ITEM))
     except ValueError:  # UnicodeDecodeError included
         raise FormatError(f"{package}: {MANIFEST_ITEM} is not valid JSON") from None
     if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
@@ -802,7 +803,7 @@ def inspect_package(package: Path) -> dict[str, Any]:
         raise AccelError(f"{package}: no such package directory")
     manifest = read_manifest(package)
     try:
-        placement = json.loads(read_package_item(package, PLACEMENT_ITEM))
+        placement = jsontext.loads(read_package_item(package, PLACEMENT_ITEM))
     except ValueError:  # UnicodeDecodeError included
         raise FormatError(f"{package}: {PLACEMENT_ITEM} is not valid JSON") from None
     try:

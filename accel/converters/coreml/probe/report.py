@@ -7,7 +7,6 @@ from MLComputePlan (and how often accel's placement rules predicted the same dev
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from accel.converters.coreml.export import PLACEMENT_ITEM, read_manifest, read_p
 from accel.converters.coreml.placement import ANE, PlacementReport
 from accel.converters.coreml.probe.harness import CAPTURE_FORMAT, CAPTURE_VERSION
 from accel.errors import AccelError, FormatError
+from accel.formats import jsontext
 
 BYTE_SOURCES = ("ioreport-amc", "ioreport-pmp", "none")
 # Op kinds MLComputePlan lists that are storage, not computation (as in placement.STORAGE_OPS).
@@ -40,7 +40,7 @@ def load_capture(path: Path) -> Capture:
     """Read and validate a capture file; every problem is a one-line FormatError naming the field."""
     path = Path(path)
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = jsontext.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise AccelError(f"{path}: no such capture file") from None
     except (OSError, UnicodeDecodeError, ValueError) as exc:
@@ -172,7 +172,7 @@ def probe_report(capture_path: Path, package: Path) -> dict[str, Any]:
     if cap_pkg.get("manifest_sha256") not in (None, sha):
         warnings.append("the capture's manifest hash differs from this package's (re-exported since?)")
     try:
-        placement_doc = json.loads(read_package_item(package, PLACEMENT_ITEM))
+        placement_doc = jsontext.loads(read_package_item(package, PLACEMENT_ITEM))
         predicted = PlacementReport.from_json(placement_doc["functions"]["decode"])
     except (FormatError, ValueError, KeyError, TypeError):
         predicted = None
