@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 
+from accel.errors import FormatError
 from accel.formats import bitpack
 from accel.formats.tensor import decode_parts, encode_tensor
 from accel.kernels import _build
@@ -325,7 +326,8 @@ def test_leech_tiles_at_their_integer_bounds(rng, layout, v, sign):
               "scale_dtype": "float16"}
     entry = TensorEntry("w", "leech", params, (rows, cols), layout, "quantized")
     codes = _extreme_leech_codes(layout, v, n, rng)
-    kw = kernel_weight(entry, {"codes": codes, "scale": np.full(rows, 1.0, dtype=np.float16)})
+    # check=False: coordinates at the planes' bounds are not points of the Leech ball, and no writer stores them
+    kw = kernel_weight(entry, {"codes": codes, "scale": np.full(rows, 1.0, dtype=np.float16)}, check=False)
     assert len(kw.tiled) == 1
     x = rht(z, 3, inverse=True).astype(np.float32)  # so that the kernel's z = V x is z again
     out = kw.matvec(x)
@@ -480,6 +482,43 @@ def test_unsupported_layouts_are_refused(rng):
     entry, arrays = encode_tensor("w", rng.standard_normal((4, 8)), "raw")
     with pytest.raises(Unsupported):
         kernel_weight(entry, _parts(entry, arrays))
+
+
+def _xor(byte: int, mask: int):
+    def damage(flat: np.ndarray) -> None:
+        flat[byte] ^= mask
+    return damage
+
+
+def _set(byte: int, value: int):
+    def damage(flat: np.ndarray) -> None:
+        flat[byte] |= value
+    return damage
+
+
+@pytest.mark.parametrize("codec,layout,params,damage,message", [
+    ("leech", "planes", {"shells": (13,)}, _xor(0, 1), "not a point of the ball"),
+    ("leech", "onehot", {"shells": (13,)}, _xor(0, 1), "(not a point of the ball|two magnitudes)"),
+    ("leech", "planes", {"shells": (13, 3)}, _xor(3, 0x10), "not a point of the ball"),  # the second stage
+    ("affine", "packed", {"levels": 5, "group": 8}, _set(0, 0x7), "past the codec's 5 levels"),
+    ("affine", "base", {"levels": 3, "group": 64}, _set(0, 0xFF), "group value past"),  # 255 >= 3^5
+    ("affine", "base", {"levels": 5, "group": 8}, _set(0, 0x7F), "group value past"),  # 7 bits: 127 >= 5^3
+])
+def test_kernels_refuse_codes_the_format_refuses(rng, codec, layout, params, damage, message):
+    """The kernels read stored codes as they are; a code every other reader refuses (a vector outside the Leech
+    ball, an affine code past L) is refused at load too, naming the tensor: `eval --kernels` computed with them."""
+    from accel.kernels import kernel_weight
+
+    entry, arrays = encode_tensor("w", rng.standard_normal((20, 64)), codec, layout=layout, **params)
+    parts = _parts(entry, arrays)
+    kernel_weight(entry, parts)  # as written: served
+    stream = "codes" if codec == "affine" or len(params["shells"]) == 1 else "codes2"
+    parts[stream] = np.array(parts[stream], copy=True)
+    damage(parts[stream].reshape(-1))
+    with pytest.raises(FormatError, match=f"tensor 'w': .*{message}"):
+        kernel_weight(entry, parts)
+    with pytest.raises(FormatError, match=message):  # what the format's own decode says of it
+        decode_parts(entry, parts)
 
 
 def test_build_is_cached_and_atomic(tmp_path, monkeypatch):

@@ -155,15 +155,26 @@ class _LeechServing(Layout):
     def _points(self, codes) -> np.ndarray:
         return _lattice().index_to_point(np.asarray(codes, dtype=np.uint64).reshape(-1), self.max_shell)
 
-    def _indices(self, points: np.ndarray) -> np.ndarray:
+    def points(self, stored: np.ndarray, levels: int, count: int) -> np.ndarray:
+        """The stored vectors (count, 24), the layout's own structure checked, not yet their ball membership."""
+        raise NotImplementedError
+
+    def check_ball(self, points: np.ndarray) -> None:
+        """Refuse a vector that is not a point of shells 2 .. max_shell (the codec's ball)."""
         leech = _lattice()
-        ok = leech.is_leech_point(points)
-        shells = np.zeros(len(ok), dtype=np.int64)
-        shells[ok] = leech.shell_of(points[ok])  # shell_of raises on a non-lattice row: ask only of lattice points
-        ok &= (shells >= 2) & (shells <= self.max_shell)
+        shells = leech.squared_norm(points) // leech.NORM_PER_SHELL  # a lattice point's norm is 16 m
+        ok = leech.is_leech_point(points) & (shells >= 2) & (shells <= self.max_shell)
         if not ok.all():
             raise FormatError(f"serving layout holds a vector that is not a point of the ball (block {np.argmin(ok)})")
-        return leech.point_to_index(points, self.max_shell)
+
+    def check(self, stored: np.ndarray, levels: int, count: int) -> None:
+        """What unpack checks, without computing the indices (readers of the points themselves: the kernels)."""
+        self.check_ball(self.points(stored, levels, count))
+
+    def unpack(self, stored, levels, count):
+        points = self.points(stored, levels, count)
+        self.check_ball(points)
+        return _lattice().point_to_index(points, self.max_shell)
 
 
 class LeechPlanesLayout(_LeechServing):
@@ -182,7 +193,7 @@ class LeechPlanesLayout(_LeechServing):
         planes = [_pack_flags((u >> j) & 1) for j in range(bits)]
         return np.concatenate(planes + [_pack_flags(parity)])
 
-    def unpack(self, stored, levels, count):
+    def points(self, stored, levels, count):
         bits = _plane_bits(self.max_shell)
         plane = 3 * count
         if stored.shape != self.stored_shape(levels, count):
@@ -192,7 +203,7 @@ class LeechPlanesLayout(_LeechServing):
             u |= _unpack_flags(stored[j * plane : (j + 1) * plane], count * BLOCK).astype(np.int16) << j
         v = np.where(u >= 1 << (bits - 1), u - (1 << bits), u).reshape(count, BLOCK)
         parity = _unpack_parity(stored[bits * plane :], count, "leech bit planes")
-        return self._indices(2 * v + parity[:, None])
+        return 2 * v + parity[:, None]
 
 
 class LeechOneHotLayout(_LeechServing):
@@ -212,7 +223,7 @@ class LeechOneHotLayout(_LeechServing):
         masks = [_pack_flags(k == level) for level in range(1, self._levels() + 1)]
         return np.concatenate(masks + [_pack_flags(x < 0), _pack_flags(parity)])
 
-    def unpack(self, stored, levels, count):
+    def points(self, stored, levels, count):
         if stored.shape != self.stored_shape(levels, count):
             raise FormatError(f"leech one-hot masks hold {stored.size} bytes, expected "
                               f"{self.stored_shape(levels, count)[0]}")
@@ -229,5 +240,5 @@ class LeechOneHotLayout(_LeechServing):
         sign = _unpack_flags(stored[self._levels() * plane : (self._levels() + 1) * plane], n).astype(bool)
         parity = _unpack_parity(stored[(self._levels() + 1) * plane :], count, "leech one-hot masks")
         x = (2 * k.reshape(count, BLOCK) + parity[:, None]) * np.where(sign.reshape(count, BLOCK), -1, 1)
-        return self._indices(x.astype(np.int16))
+        return x.astype(np.int16)
 

@@ -11,12 +11,13 @@ index stream is converted to planes once, at load: index -> point arithmetic, no
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from functools import cached_property
 from typing import Any
 
 import numpy as np
 
-from accel.errors import AccelError
+from accel.errors import AccelError, FormatError
 from accel.formats import bitpack
 from accel.formats.codecs import get_codec
 from accel.formats.tensor import TensorEntry
@@ -90,7 +91,7 @@ _BASE3_WEIGHTS = np.array([1, 3, 9, 27, 81], dtype=np.uint8)  # digit j of a bas
 class AffineWeight(KernelWeight):
     """`affine` codes in the `packed` (bit stream) or `base` (base-L groups) layout, scales (and offsets) per group."""
 
-    def __init__(self, entry: TensorEntry, parts: dict[str, np.ndarray]):
+    def __init__(self, entry: TensorEntry, parts: dict[str, np.ndarray], check: bool = True):
         if len(entry.shape) != 2:
             raise Unsupported(f"tensor '{entry.name}': kernels take 2-D weights, not {list(entry.shape)}")
         p = entry.params
@@ -124,8 +125,13 @@ class AffineWeight(KernelWeight):
         elif (self.layout == "base" and self.levels == 3 and self.shape[0] > 0 and self.shape[1] > 0
               and kinds & (1 << 3)):
             self.tiled = "base3"
+        # with L below 2^bits a stored code can be past L: refuse it as every reader does (the base-3 copy unpacks
+        # the stream, which checks it)
+        if check and self.levels < 1 << self.bits and self.tiled != "base3":
+            layout = get_codec("affine").layout_for(entry.layout, "codes", p)
+            _check_codes(entry, lambda: layout.unpack(self.codes, self.levels, entry.numel))
         if self.tiled:
-            self._make_tiles()
+            _check_codes(entry, self._make_tiles)
 
     def _tileable(self) -> bool:
         """8-, 4- or 2-bit packed codes whose groups are whole 4-byte steps of a row (or one group a row)."""
@@ -239,7 +245,7 @@ class AffineWeight(KernelWeight):
 class LeechWeight(KernelWeight):
     """`leech` code streams in the `planes` or `onehot` serving layout (compact streams converted to planes)."""
 
-    def __init__(self, entry: TensorEntry, parts: dict[str, np.ndarray]):
+    def __init__(self, entry: TensorEntry, parts: dict[str, np.ndarray], check: bool = True):
         from accel.formats.leech_codec import (
             STREAM_NAMES,
             LeechOneHotLayout,
@@ -260,10 +266,13 @@ class LeechWeight(KernelWeight):
         streams, kinds, params, alphas = [], [], [], []
         for name, stage in zip(STREAM_NAMES, p["stages"], strict=False):
             stored = np.ascontiguousarray(parts[name]).reshape(-1)
-            if entry.layout in ("packed", "compact"):  # index stream -> coordinates, once
-                levels, count = codec.streams(p, entry.shape)[name]
-                indices = codec.layout_for(entry.layout, name, p).unpack(stored, levels, count)
+            levels, count = codec.streams(p, entry.shape)[name]
+            served = codec.layout_for(entry.layout, name, p)
+            if entry.layout in ("packed", "compact"):  # index stream -> coordinates, once (unpack checks it)
+                indices = _check_codes(entry, lambda: served.unpack(stored, levels, count))  # noqa: B023
                 stored = LeechPlanesLayout(stage["max_shell"]).pack(indices, levels)
+            elif check:  # the points as stored: refuse any outside the ball, as every other reader does
+                _check_codes(entry, lambda: served.check(stored, levels, count))  # noqa: B023
             streams.append(stored)
             kinds.append(0 if layout == "planes" else 1)
             params.append(_plane_bits(stage["max_shell"]) if layout == "planes"
@@ -379,10 +388,21 @@ def _parity_tiles(parity: np.ndarray, rows: int, nblk: int) -> np.ndarray:
     return np.ascontiguousarray(packed.reshape(ntiles, 16, words).transpose(0, 2, 1)).view(np.uint8).reshape(-1)
 
 
-def kernel_weight(entry: TensorEntry, parts: dict[str, np.ndarray]) -> KernelWeight:
-    """The kernel view of one logical tensor's stored parts (keyed by part name); Unsupported if none fits."""
+def _check_codes(entry: TensorEntry, check: Callable[[], Any]) -> Any:
+    """Run a layout's unpack or check of the stored codes: the kernels read them as they are, so a code the format
+    refuses (past L, a vector outside the Leech ball) is refused here too, naming the tensor."""
+    try:
+        return check()
+    except FormatError as exc:
+        raise FormatError(f"tensor '{entry.name}': {exc}") from None
+
+
+def kernel_weight(entry: TensorEntry, parts: dict[str, np.ndarray], check: bool = True) -> KernelWeight:
+    """The kernel view of one logical tensor's stored parts (keyed by part name); Unsupported if none fits. The codes
+    are checked as the format's readers check them (FormatError), unless `check` is false: tests that feed the
+    kernels bit patterns no writer makes."""
     if entry.codec == "affine":
-        return AffineWeight(entry, parts)
+        return AffineWeight(entry, parts, check)
     if entry.codec == "leech":
-        return LeechWeight(entry, parts)
+        return LeechWeight(entry, parts, check)
     raise Unsupported(f"tensor '{entry.name}': no kernel for the '{entry.codec}' codec")

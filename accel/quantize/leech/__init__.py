@@ -17,7 +17,7 @@ from accel.quantize.leech.index import (
     index_to_point,
     point_to_index,
 )
-from accel.quantize.leech.lattice import is_leech_point, shell_of, squared_norm
+from accel.quantize.leech.lattice import NORM_PER_SHELL, is_leech_point, shell_of, squared_norm
 from accel.quantize.leech.search import SearchResult, nearest_direction, nearest_point
 from accel.quantize.leech.shells import (
     MAX_SHELL,
@@ -32,6 +32,7 @@ from accel.quantize.leech.shells import (
 __all__ = [
     "MAX_SHELL",
     "MIN_SHELL",
+    "NORM_PER_SHELL",
     "LeechArgumentError",
     "LeechClass",
     "SearchResult",
