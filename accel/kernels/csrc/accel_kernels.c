@@ -2902,12 +2902,13 @@ static void base3_tile(const Base3 *a, int64_t t, const int32_t *xd, const float
 #endif
 
 #if HAVE_TILES_AVX2
-/* Base-3 tiles on AVX2: the same copy and input dwords as the VNNI ones, half a tile (8 rows) at a time. A
- * super-block's digits are separated once into a scratch of 5 digit vectors a step (32 bytes each, L1), unscaled
- * (base3_digits_avx2); then each digit vector's steps meet its block's input digits in vpmaddubsw: 3 sums of 16-bit
- * lanes a block, each step adding at most 2 * 2 * 128 = 512 to a lane, so a super-block's (at most 32 steps) stays
- * exact. (Sixteen registers do not hold the 15 sums of a step's five blocks at once; the scratch is what lets a
- * block's sums live in registers.) */
+/* Base-3 tiles on AVX2: the same copy and input dwords as the VNNI ones, a tile as two halves of 8 rows. A
+ * super-block's digits are separated once into a scratch of 5 digit vectors a step and half (32 bytes each, L1),
+ * unscaled (base3_digits_avx2); then each digit vector's steps meet its block's input digits in vpmaddubsw, both
+ * halves in one loop so each broadcast input digit serves two products: 3 sums of 16-bit lanes a block and half,
+ * each step adding at most 2 * 2 * 128 = 512 to a lane, so a super-block's (at most 32 steps) stays exact.
+ * (Sixteen registers do not hold the 15 sums of a step's five blocks at once; the scratch is what lets a block's
+ * sums live in registers.) */
 
 static int base3_block_input(const Base3 *a, const float *x, int32_t *xd, float *unit, float *gsum, int64_t b) {
     const int64_t c0 = b * a->bw, c1 = c0 + a->bw < a->cols ? c0 + a->bw : a->cols;
@@ -2955,38 +2956,42 @@ static void base3_tile(const Base3 *a, int64_t t, const int32_t *xd, const float
     const int64_t ahead = next ? next - base : 0, S = a->S;
     const __m256i ones = _mm256_set1_epi16(1);
     const int64_t per_group = a->ngroups == 1 ? a->nblocks : a->group / a->bw;
-    __m256i digits[5][32]; /* a super-block's digit vectors of one half tile: [j][kk], S <= 32 */
+    __m256i digits[5][32][2]; /* a super-block's digit vectors: [j][kk][half tile], S <= 32 */
     __m256 total[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, total_off[2] = {total[0], total[0]};
     for (int64_t s = 0; s < a->nsuper; s++) {
         const int64_t b0 = 5 * s;
         const int nb = a->nblocks - b0 < 5 ? (int)(a->nblocks - b0) : 5;
-        int64_t side[5]; /* the blocks' first side values (their groups' scales and offsets) */
-        for (int j = 0; j < nb; j++) side[j] = (t * a->ngroups + (b0 + j) / per_group) * 16;
         const uint8_t *steps = base + s * S * 64;
         const int32_t *xs = xd + s * S * 15;
-        for (int h = 0; h < 2; h++) {
-            for (int64_t kk = 0; kk < S; kk++) {
-                if (!h) prefetch_line(steps + kk * 64, ahead);
+        for (int64_t kk = 0; kk < S; kk++) {
+            prefetch_line(steps + kk * 64, ahead);
+            for (int h = 0; h < 2; h++) {
                 __m256i d[5];
                 base3_digits_avx2(_mm256_loadu_si256((const __m256i *)(steps + kk * 64 + 32 * h)), d);
-                for (int j = 0; j < 5; j++) digits[j][kk] = d[j];
+                for (int j = 0; j < 5; j++) digits[j][kk][h] = d[j];
             }
-            for (int j = 0; j < nb; j++) {
-                __m256i s16[3] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
-                for (int64_t kk = 0; kk < S; kk++) {
-                    const int32_t *xk = xs + kk * 15 + 3 * j;
-                    maddubs_add(&s16[0], digits[j][kk], _mm256_set1_epi32(xk[0]));
-                    maddubs_add(&s16[1], digits[j][kk], _mm256_set1_epi32(xk[1]));
-                    maddubs_add(&s16[2], digits[j][kk], _mm256_set1_epi32(xk[2]));
+        }
+        for (int j = 0; j < nb; j++) {
+            __m256i s16[2][3];
+            for (int h = 0; h < 2; h++)
+                for (int p = 0; p < 3; p++) s16[h][p] = _mm256_setzero_si256();
+            for (int64_t kk = 0; kk < S; kk++) {
+                const int32_t *xk = xs + kk * 15 + 3 * j;
+                for (int p = 0; p < 3; p++) {
+                    const __m256i xp = _mm256_set1_epi32(xk[p]);
+                    maddubs_add(&s16[0][p], digits[j][kk][0], xp);
+                    maddubs_add(&s16[1][p], digits[j][kk][1], xp);
                 }
+            }
+            const int64_t b = b0 + j, side = (t * a->ngroups + b / per_group) * 16;
+            for (int h = 0; h < 2; h++) {
                 /* |sum q X| <= 2 * 2^22 * 128: the pieces combine exactly in int32 */
-                const __m256i q0 = _mm256_madd_epi16(s16[0], ones), q1 = _mm256_madd_epi16(s16[1], ones);
-                const __m256i q2 = _mm256_madd_epi16(s16[2], ones);
+                const __m256i q0 = _mm256_madd_epi16(s16[h][0], ones), q1 = _mm256_madd_epi16(s16[h][1], ones);
+                const __m256i q2 = _mm256_madd_epi16(s16[h][2], ones);
                 const __m256 dot = _mm256_cvtepi32_ps(
                     _mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(q2, 16), _mm256_slli_epi32(q1, 8)), q0));
-                tiles_block_sum8(&total[h], &total_off[h], dot, unit[b0 + j], a->scale,
-                                 a->symmetric ? NULL : a->offset, a->scale_f32, side[j] + 8 * h, 1.0f,
-                                 gsum[b0 + j]); /* symmetric: q - (L - 1) / 2 = q - 1 */
+                tiles_block_sum8(&total[h], &total_off[h], dot, unit[b], a->scale, a->symmetric ? NULL : a->offset,
+                                 a->scale_f32, side + 8 * h, 1.0f, gsum[b]); /* symmetric: q - (L - 1) / 2 = q - 1 */
             }
         }
     }
