@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -255,3 +256,99 @@ def test_a_closed_stdout_exits_quietly_as_sigpipe(capsys, model, tmp_path, json_
     proc.stdout.close()  # the reader is gone before the first write
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 128 + signal.SIGPIPE and err == ""
+
+
+# found by a second black-box audit of the contract (2026-12-06)
+
+def test_a_prompt_that_is_not_utf8_is_bad_input(capsys, model):
+    """Bytes the locale cannot decode reach Python as lone surrogates; the tokenizer's TypeError was a traceback."""
+    for json_flag in ((), ("--json",)):
+        code, out, err = run(capsys, "generate", model, "--prompt", "ab\udcff", "--tokens", "2", *json_flag)
+        assert_one_line_error(code, err, 2, "--prompt is not valid UTF-8 text")
+        assert not json_flag or json.loads(out)["error"]
+
+
+def test_a_reference_with_a_non_finite_nll_fails_the_eval(capsys, model, tmp_path, text_file):
+    """The eval passed (exit 0) with a ΔNLL of null when the reference, not the model, gave NaN."""
+    poisoned = make_tiny_llama(tmp_path / "nan", poison="lm_head.weight")
+    code, out, err = run(capsys, "eval", model, "--data", text_file, "--windows", "2", "--seq-len", "32",
+                         "--reference", poisoned, "--json")
+    assert code == 1 and json.loads(out)["delta_nll"] is None
+    assert "reference's NLL is not finite" in err and "Traceback" not in err
+
+
+def test_calibrating_non_finite_weights_is_refused(capsys, tmp_path, text_file):
+    """The calibration was written (exit 0), its Hessians NaN, and verify refused it afterwards."""
+    poisoned = make_tiny_llama(tmp_path / "nan", poison="model.layers.0.self_attn.q_proj.weight")
+    capsys.readouterr()
+    code, _, err = run(capsys, "calibrate", poisoned, "--for", "weights", "--data", text_file, "--samples", "1",
+                       "--seq-len", "32", "--out", tmp_path / "cal")
+    assert_one_line_error(code, err, 2, "'model.layers.0.self_attn.q_proj.weight' holds NaN or Inf values")
+    assert not (tmp_path / "cal").exists()
+
+
+def test_a_source_without_a_tokenizer_is_quantized_with_a_warning(capsys, model, tmp_path):
+    """The output was written without one, silently, and its own verify and eval refused it. It is still written
+    (export-ane needs no tokenizer), with a warning on stderr and in the JSON report, and verify says why."""
+    bare = tmp_path / "bare"
+    shutil.copytree(model, bare)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (bare / name).unlink(missing_ok=True)
+    code, out, err = run(capsys, "quantize", bare, "--weights", "rtn4", "--out", tmp_path / "q", "--json")
+    assert code == 0 and "warning:" in err and "no tokenizer file in the directory" in err
+    assert "eval, generate and verify refuse it" in json.loads(out)["warnings"][0]
+    code, out, _ = run(capsys, "verify", tmp_path / "q", "--json")
+    assert code == 1 and any("no tokenizer file" in e for e in json.loads(out)["errors"])
+    code, out, err = run(capsys, "quantize", model, "--weights", "rtn4", "--out", tmp_path / "q2", "--json")
+    assert code == 0 and json.loads(out)["warnings"] == [] and "warning" not in err
+
+
+def test_verify_of_something_that_is_no_accel_output_is_bad_input(capsys, model, tmp_path):
+    """A source model, a text file or an empty directory were reported as faults (exit 1), as a damaged output is."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes.txt").write_text("hello, these are notes\n")
+    for path, message in [(model, "not an accel file"), (tmp_path / "notes.txt", "not a safetensors file"),
+                          (tmp_path / "empty", "not an accel output directory")]:
+        code, _, err = run(capsys, "verify", path)
+        assert_one_line_error(code, err, 2, message)
+
+
+def test_a_damaged_calibration_is_named_by_its_path(capsys, model, tmp_path, text_file):
+    """The message said 'model.safetensors: ...', the name of the source model's own weights file as well."""
+    calib = tmp_path / "cal"
+    assert run(capsys, "calibrate", model, "--for", "weights", "--data", text_file, "--out", calib,
+               "--samples", "2", "--seq-len", "32")[0] == 0
+    weights = calib / "weights" / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    start, _ = json.loads(raw[8 : 8 + n])["model.layers.0.self_attn.q_proj.weight"]["data_offsets"]
+    raw[8 + n + start + 5] ^= 0x40  # inside a Hessian gptq reads
+    weights.write_bytes(bytes(raw))
+    code, _, err = run(capsys, "quantize", model, "--weights", "gptq4", "--calib", calib, "--out", tmp_path / "q")
+    assert_one_line_error(code, err, 2, f"{weights}: tensor")
+
+
+def test_windows_longer_than_the_model_positions_are_refused(capsys, model, tmp_path, text_file):
+    """eval and calibrate ran past max_position_embeddings (512 here) without a word; generate refused."""
+    code, _, err = run(capsys, "eval", model, "--data", text_file, "--windows", "1", "--seq-len", "1024")
+    assert_one_line_error(code, err, 2, "--seq-len 1024 is longer than the model's 512 positions")
+    code, _, err = run(capsys, "calibrate", model, "--for", "weights", "--data", text_file, "--samples", "1",
+                       "--seq-len", "1024", "--out", tmp_path / "cal")
+    assert_one_line_error(code, err, 2, "--seq-len 1024 is longer than the model's 512 positions")
+
+
+def test_an_output_inside_an_input_directory_is_refused(capsys, model, tmp_path, text_file):
+    """Nothing was overwritten, but the input changed: the model's directory, or the calibration verify then read
+    with the nested output in it."""
+    before = _snapshot(model)
+    code, _, err = run(capsys, "quantize", model, "--weights", "rtn4", "--out", model / "q4")
+    assert_one_line_error(code, err, 2, "lies inside the input")
+    calib = tmp_path / "cal"
+    assert run(capsys, "calibrate", model, "--for", "weights", "--data", text_file, "--out", calib,
+               "--samples", "2", "--seq-len", "32")[0] == 0
+    code, _, err = run(capsys, "quantize", model, "--weights", "gptq4", "--calib", calib, "--out", calib / "q")
+    assert_one_line_error(code, err, 2, "lies inside the input")
+    code, _, err = run(capsys, "calibrate", model, "--for", "weights", "--data", text_file, "--out", model / "c",
+                       "--samples", "2", "--seq-len", "32")
+    assert_one_line_error(code, err, 2, "lies inside the input")
+    assert _snapshot(model) == before and not (calib / "q").exists()

@@ -217,7 +217,7 @@ def test_json_that_parses_badly_is_a_format_error(tmp_path, rng, where, text):
         header["__metadata__"]["accel"] = text
         header["__metadata__"]["accel_sha256"] = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
         _rewrite(path, header, data)
-    with pytest.raises(FormatError, match="not valid JSON"):
+    with pytest.raises(FormatError, match="not valid JSON|not a safetensors file"):  # "[": no JSON object
         AccelFile(path)
 
 

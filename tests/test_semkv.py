@@ -193,8 +193,9 @@ def test_verify_checks_a_calibration(kv_calib, tmp_path, capsys):
 def test_semkv_needs_a_kv_calibration_of_this_model(tiny_llama, tmp_path, kv_calib):
     with pytest.raises(AccelError, match="needs --calib"):
         quantize_model(tiny_llama, tmp_path / "x", QuantizeSettings(kv="semkv"))
+    (tmp_path / "nokv").mkdir()
     with pytest.raises(AccelError, match="no KV calibration"):
-        quantize_model(tiny_llama, tmp_path / "x", QuantizeSettings(kv="semkv", calib=str(tmp_path)))
+        quantize_model(tiny_llama, tmp_path / "x", QuantizeSettings(kv="semkv", calib=str(tmp_path / "nokv")))
     other = kv_calib[0].parent / "other"
     import shutil
 

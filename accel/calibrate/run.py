@@ -19,7 +19,7 @@ import numpy as np
 from accel import __version__
 from accel.calibrate import CALIB_MANIFEST, without_timings
 from accel.errors import AccelError
-from accel.eval.data import read_text, token_windows
+from accel.eval.data import check_context, read_text, token_windows
 from accel.formats.atomic import atomic_write_text, output_dir
 from accel.progress import SILENT, Progress
 
@@ -93,6 +93,15 @@ def calibration_files_sha256(calib: Path) -> dict[str, str]:
     return files_sha256(calib, lambda rel: rel != CALIB_MANIFEST, "*.json")
 
 
+def _check_finite_weights(model: Any) -> None:
+    """Statistics recorded through NaN or Inf weights are NaN too: refuse the model, as quantize does."""
+    import torch
+
+    for name, param in model.named_parameters():
+        if not bool(torch.isfinite(param).all()):
+            raise AccelError(f"tensor '{name}' holds NaN or Inf values; refusing to calibrate with it")
+
+
 def calibrate(model: str, data: Path, out: Path, kinds: list[str], settings: CalibSettings, force: bool = False,
               progress: Progress = SILENT) -> dict[str, Any]:
     """Run the requested kinds on MODEL over DATA into OUT; returns {out, for, windows, tokens, <kind>: report}."""
@@ -108,12 +117,14 @@ def calibrate(model: str, data: Path, out: Path, kinds: list[str], settings: Cal
                          f"got {settings.samples}")
     text = read_text(data)
     loaded = load_causal_lm(model, progress)
+    check_context(settings.seq_len, loaded.config)
+    _check_finite_weights(loaded.model)
     windows = pick_windows(loaded.tokenizer, text, settings)
     if "kv" in runners and len(windows) < 2:
         raise AccelError(f"--for kv needs at least 2 windows of --seq-len {settings.seq_len}; the text holds "
                          f"{len(windows)}")
     reports: dict[str, Any] = {}
-    with output_dir(Path(out), force, inputs=[Path(model), Path(data)]) as tmp:
+    with output_dir(Path(out), force, inputs=[Path(model), Path(data), *filter(None, [loaded.path])]) as tmp:
         for kind, run in runners.items():
             (tmp / kind).mkdir()
             reports[kind] = run(CalibContext(str(model), loaded, text, windows, tmp / kind, settings, progress))

@@ -37,6 +37,7 @@ def register(app: typer.Typer) -> None:
                                               seed=seed, kv=kv, state=state, kernels=kernels, batch=batch),
                           BarProgress())
         finite = math.isfinite(result["nll"])
+        ref_finite = "ref_nll" not in result or math.isfinite(result["ref_nll"])
         if json_out:
             emit_json(result)
         else:
@@ -44,6 +45,9 @@ def register(app: typer.Typer) -> None:
         if not finite:
             raise CheckFailed("the model's NLL is not finite (NaN or Inf in its outputs); `accel verify` names "
                               "the tensors that decode to non-finite values")
+        if not ref_finite:
+            raise CheckFailed("the reference's NLL is not finite (NaN or Inf in its outputs), so there is no ΔNLL; "
+                              "check --reference")
 
 
 def _print(result: dict) -> None:

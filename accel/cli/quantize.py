@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from accel.cli.common import JSON_OPTION, BarProgress, emit_json, stdout
+from accel.cli.common import JSON_OPTION, BarProgress, emit_json, stderr, stdout
 
 
 def register(app: typer.Typer) -> None:
@@ -35,6 +35,8 @@ def register(app: typer.Typer) -> None:
                                     calib=str(calib) if calib else None, kv=kv, state=state,
                                     tune_steps=tune_steps)
         report = quantize_model(model, out, settings, force=force, progress=BarProgress(), jobs=jobs)
+        for line in report["warnings"]:
+            stderr.print(f"warning: {line}", soft_wrap=True)
         if json_out:
             emit_json(report)
             return

@@ -48,6 +48,7 @@ class ModelSource(abc.ABC):
     """
 
     name: str
+    path: Path  # the directory or file the model was read from (an alias resolved)
     config: dict[str, Any]
     input_files: list[Path]
 

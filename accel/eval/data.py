@@ -35,6 +35,14 @@ def check_window_args(seq_len: int, windows: int | None) -> None:
         raise AccelError(f"--windows must be at least 1, got {windows}")
 
 
+def check_context(seq_len: int, config: dict, what: str = "the model") -> None:
+    """Refuse windows longer than the positions the model was built for (its max_position_embeddings): what it
+    computes there is not what it was trained to."""
+    limit = config.get("max_position_embeddings")
+    if isinstance(limit, int) and not isinstance(limit, bool) and seq_len > limit:
+        raise AccelError(f"--seq-len {seq_len} is longer than {what}'s {limit} positions (max_position_embeddings)")
+
+
 def token_windows(tokenizer, text: str, seq_len: int, windows: int | None) -> np.ndarray:
     """Token ids as (n, seq_len) int64: consecutive non-overlapping windows from the start of the text."""
     check_window_args(seq_len, windows)

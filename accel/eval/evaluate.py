@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from accel.errors import AccelError
-from accel.eval.data import check_window_args, read_text, token_windows
+from accel.eval.data import check_context, check_window_args, read_text, token_windows
 from accel.eval.load import is_accel_output, load_causal_lm
 from accel.eval.perplexity import decode_nll, window_nll
 from accel.eval.stats import paired_bootstrap
@@ -38,6 +38,7 @@ def evaluate(spec: str | Path, settings: EvalSettings, progress: Progress = SILE
     check_kernels_spec(spec, settings.kernels)
     torch.manual_seed(settings.seed)
     loaded = load_causal_lm(spec, progress, kernels=settings.kernels)
+    check_context(settings.seq_len, loaded.config)
     windows = token_windows(loaded.tokenizer, text, settings.seq_len, settings.windows)
     runtime, map_report = map_runtime(loaded, settings.kv, settings.state)
     progress.stage(f"eval {Path(str(spec)).name}" + (" (token by token)" if runtime else ""), len(windows))
@@ -53,6 +54,7 @@ def evaluate(spec: str | Path, settings: EvalSettings, progress: Progress = SILE
                               "window_nll": [float(v) for v in arm.nll], **map_report}
     if settings.reference is not None:
         ref_loaded = load_causal_lm(settings.reference, progress)
+        check_context(settings.seq_len, ref_loaded.config, "the reference")
         ref_windows = token_windows(ref_loaded.tokenizer, text, settings.seq_len, settings.windows)
         if ref_windows.shape != windows.shape or (ref_windows != windows).any():
             raise AccelError("the model and --reference tokenize the text differently; their NLLs cannot be paired")

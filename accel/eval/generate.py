@@ -36,6 +36,10 @@ def check_generate_args(settings: GenerateSettings) -> None:
     """The checks that need no model (run before loading one)."""
     if not settings.prompt:
         raise AccelError("--prompt is empty; give the text to continue")
+    try:
+        settings.prompt.encode("utf-8")
+    except UnicodeEncodeError:  # bytes the locale could not decode reach Python as lone surrogates
+        raise AccelError("--prompt is not valid UTF-8 text") from None
     if settings.tokens < 1:
         raise AccelError(f"--tokens must be at least 1, got {settings.tokens}")
 

@@ -51,6 +51,7 @@ class LoadedModel:
     source_kind: str  # "accel" or "source"
     maps: dict[str, Any] = field(default_factory=dict)  # kind -> accel.quantize.maps.StoredMap (OUT_DIRs only)
     input_files: list[Path] = field(default_factory=list)  # a source model's files (what calibrations record)
+    path: Path | None = None  # the directory or file it was read from (an alias resolved)
 
 
 def load_decoded_tensors(art: Artifact, progress: Progress = SILENT) -> dict[str, np.ndarray]:
@@ -93,7 +94,7 @@ def load_causal_lm(spec: str | Path, progress: Progress = SILENT, kernels: bool 
             tokenizer = AutoTokenizer.from_pretrained(str(spec))
         except (OSError, ValueError) as exc:
             raise AccelError(f"{spec}: cannot load its tokenizer ({str(exc).splitlines()[0]})") from None
-        return LoadedModel(model, tokenizer, config, "accel", maps)
+        return LoadedModel(model, tokenizer, config, "accel", maps, path=Path(spec).absolute())
     with open_model(spec) as source:
         names = source.tensor_names()
         progress.stage("loading weights", len(names))
@@ -104,4 +105,4 @@ def load_causal_lm(spec: str | Path, progress: Progress = SILENT, kernels: bool 
         progress.close()
         model = build_transformers_model(source.config, tensors)
         return LoadedModel(model, source.load_tokenizer(), dict(source.config), "source",
-                           input_files=list(source.input_files))
+                           input_files=list(source.input_files), path=source.path)

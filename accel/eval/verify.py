@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from accel.errors import AccelError, FormatError
+from accel.errors import AccelError, FormatError, NotAccelOutput
 from accel.eval.load import model_config
 from accel.formats import jsontext
 from accel.formats.artifact import MANIFEST_FILE, Artifact, sidecar_files_sha256
@@ -31,6 +31,8 @@ def verify_artifact(path: Path, reference: str | None = None, progress: Progress
         raise AccelError(f"{path}: no such file or directory")
     try:
         art = Artifact(path)
+    except NotAccelOutput as exc:  # another kind of file: bad input, not a damaged output
+        raise AccelError(f"{exc}; verify reads what accel quantize writes") from None
     except FormatError as exc:
         return {"ok": False, "errors": [str(exc)], "tensors": 0}
     source = None
@@ -87,20 +89,20 @@ def verify_artifact(path: Path, reference: str | None = None, progress: Progress
     return report
 
 
-def checked_decode(container: AccelFile, name: str, prefix: str = "") -> tuple[np.ndarray | None, str | None]:
+def checked_decode(container: AccelFile, name: str) -> tuple[np.ndarray | None, str | None]:
     """One logical tensor of a container decoded, or the one-line fault that stops it: a stored tensor's checksum,
-    a decode the reader refuses, NaN or Inf in the values. prefix goes before the file name (a subdirectory)."""
+    a decode the reader refuses, NaN or Inf in the values (each naming the file by the path it was opened as)."""
     bad = [s for s in container.entries[name].parts.values() if not container.checksum_ok(s)]
     if bad:
-        return None, f"{prefix}{container.path.name}: tensor '{name}': checksum mismatch in stored tensor '{bad[0]}'"
+        return None, f"{container.path}: tensor '{name}': checksum mismatch in stored tensor '{bad[0]}'"
     try:
         decoded = container.decode(name, check=False)
     except FormatError as exc:  # the reader's message names the file and the tensor
-        return None, f"{prefix}{exc}"
+        return None, str(exc)
     except AccelError as exc:
-        return None, f"{prefix}tensor '{name}': {exc}"
+        return None, f"{container.path}: tensor '{name}': {exc}"
     if decoded.dtype.kind == "f" and not np.isfinite(decoded).all():
-        return None, f"{prefix}tensor '{name}': decodes to NaN or Inf"
+        return None, f"{container.path}: tensor '{name}': decodes to NaN or Inf"
     return decoded, None
 
 
@@ -207,20 +209,19 @@ def verify_calibration(path: Path, progress: Progress = SILENT) -> dict[str, Any
     progress.stage("verifying", len(containers))
     for file in containers:
         progress.advance()
-        where = file.relative_to(path).parent.as_posix()
-        prefix = "" if where == "." else f"{where}/"
+        rel = file.relative_to(path).as_posix()  # named as the calibration's other files are: kv/model.safetensors
         try:
             container = AccelFile(file)
         except FormatError as exc:
-            errors.append(f"{prefix}{exc}")
+            errors.append(str(exc).replace(str(file), rel, 1))
             continue
         try:
             for name in container.entries:
                 tensors += 1
                 total += container.stored_bytes(name)
-                fault = checked_decode(container, name, prefix)[1]
+                fault = checked_decode(container, name)[1]
                 if fault is not None:
-                    errors.append(fault)
+                    errors.append(fault.replace(str(file), rel, 1))
         finally:
             container.close()
     progress.close()

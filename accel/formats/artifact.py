@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from accel.errors import AccelError, FormatError
+from accel.errors import AccelError, FormatError, NotAccelOutput
 from accel.formats import jsontext
 from accel.formats.atomic import atomic_write_text
 from accel.formats.container import AccelFile, write_file
@@ -96,7 +96,7 @@ class Artifact:
         for f in self.files:
             for name in f.entries:
                 if name in self.owner:
-                    raise FormatError(f"{f.path.name}: tensor '{name}' also appears in {self.owner[name].path.name}")
+                    raise FormatError(f"{f.path}: tensor '{name}' also appears in {self.owner[name].path}")
                 self.owner[name] = f
         self.manifest = self._read_object(MANIFEST_FILE) if self.path.is_dir() else None
         self.config = self._read_object("config.json") if self.path.is_dir() else None
@@ -127,7 +127,8 @@ class Artifact:
             return [self.path / s for s in shards]
         single = self.path / WEIGHTS_FILE
         if not single.is_file():
-            raise FormatError(f"{self.path}: no {WEIGHTS_FILE} or {INDEX_FILE} (not an accel output directory)")
+            kind = FormatError if (self.path / MANIFEST_FILE).exists() else NotAccelOutput  # a damaged output has one
+            raise kind(f"{self.path}: no {WEIGHTS_FILE} or {INDEX_FILE} (not an accel output directory)")
         return [single]
 
     def _read_object(self, name: str) -> dict | None:

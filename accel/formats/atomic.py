@@ -50,9 +50,9 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def check_output_dir(out: Path, force: bool, inputs: list[Path] = ()) -> None:
-    """Refuse an existing output without --force, any output that is, holds or aliases an input (paths compared
-    resolved: `..`, symbolic links), an output that is or holds the working directory, and a parent that cannot be
-    written."""
+    """Refuse an existing output without --force, any output that is, holds or aliases an input or lies inside an
+    input directory (paths compared resolved: `..`, symbolic links), an output that is or holds the working
+    directory, and a parent that cannot be written."""
     if str(out) in ("", "."):
         raise AccelError("--out must name a directory, not the current one")
     out = Path(out).absolute()
@@ -64,6 +64,8 @@ def check_output_dir(out: Path, force: bool, inputs: list[Path] = ()) -> None:
         resolved = source.resolve()
         if real == resolved or real in resolved.parents:
             raise AccelError(f"output {out} would overwrite the input {source}; choose another --out")
+        if resolved.is_dir() and resolved in real.parents:  # it would change what the input holds
+            raise AccelError(f"output {out} lies inside the input {source}; choose an --out outside it")
     cwd = Path.cwd().resolve()
     if real == cwd or real in cwd.parents:
         raise AccelError(f"output {out} is or holds the working directory; choose another --out")

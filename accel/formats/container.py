@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from accel.errors import FormatError
+from accel.errors import FormatError, NotAccelOutput
 from accel.formats import jsontext
 from accel.formats.atomic import atomic_write
 from accel.formats.dtypes import NUMPY_OF
@@ -96,12 +96,14 @@ class AccelFile:
         self.entries = self._parse_entries()
 
     def _fail(self, message: str) -> FormatError:
-        return FormatError(f"{self.path.name}: {message}")
+        return FormatError(f"{self.path}: {message}")
 
     def _parse_header(self) -> dict[str, Any]:
         if self.size < 8:
             raise self._fail(f"truncated: {self.size} bytes is shorter than the 8-byte header length")
         (n,) = struct.unpack("<Q", self._map[:8])
+        if self.size > 8 and self._map[8:9] != b"{":  # a safetensors header is a JSON object
+            raise NotAccelOutput(f"{self.path}: not a safetensors file (no JSON header after its first 8 bytes)")
         if n > MAX_HEADER_BYTES or 8 + n > self.size:
             raise self._fail(f"truncated or corrupt: header length {n} runs past the file's {self.size} bytes")
         try:
@@ -139,7 +141,7 @@ class AccelFile:
         if cursor != data_size:
             raise self._fail(f"{data_size - cursor} bytes after the last tensor (corrupt or truncated)")
         if not isinstance(meta, dict) or FORMAT_NAME not in meta:
-            raise self._fail("not an accel file (no 'accel' document in __metadata__)")
+            raise NotAccelOutput(f"{self.path}: not an accel file (no 'accel' document in __metadata__)")
         text, recorded = meta[FORMAT_NAME], meta.get(DOC_SHA256_KEY)
         if not isinstance(text, str):
             raise self._fail("the accel document is not a string")
@@ -215,9 +217,12 @@ class AccelFile:
         if check:
             for stored in entry.parts.values():
                 if not self.checksum_ok(stored):
-                    raise FormatError(f"{self.path.name}: tensor '{name}': checksum mismatch in stored tensor "
+                    raise FormatError(f"{self.path}: tensor '{name}': checksum mismatch in stored tensor "
                                       f"'{stored}' (the file is corrupt)")
-        return decode_parts(entry, {p: self.read_stored(s) for p, s in entry.parts.items()})
+        try:
+            return decode_parts(entry, {p: self.read_stored(s) for p, s in entry.parts.items()})
+        except FormatError as exc:  # a code the layout refuses: name the file too
+            raise FormatError(f"{self.path}: {exc}") from None
 
     def close(self) -> None:
         if isinstance(self._map, mmap.mmap):

@@ -26,7 +26,7 @@ def stored_parts(art: Artifact, name: str, check: bool = True) -> dict[str, np.n
     if check:
         for stored in entry.parts.values():
             if not f.checksum_ok(stored):
-                raise FormatError(f"{f.path.name}: tensor '{name}': checksum mismatch in stored tensor '{stored}' "
+                raise FormatError(f"{f.path}: tensor '{name}': checksum mismatch in stored tensor '{stored}' "
                                   "(the file is corrupt)")
     return {part: f.read_stored(stored) for part, stored in entry.parts.items()}
 
@@ -55,11 +55,14 @@ def build_kernel_model(art: Artifact, config: dict[str, Any], progress: Progress
         entry = art.entry(name)
         coded = entry.role == "quantized" or (entry.role == "kept" and entry.codec != "raw")
         if coded and name.endswith(".weight") and len(entry.shape) == 2:
+            parts = stored_parts(art, name)
             try:
-                kernels[name] = kernel_weight(entry, stored_parts(art, name))
+                kernels[name] = kernel_weight(entry, parts)
                 tensors[name] = torch.empty(tuple(entry.shape), dtype=torch.float32)
             except Unsupported:
                 tensors[name] = art.decode(name)
+            except FormatError as exc:  # a code the format refuses (kernel_weight names the tensor)
+                raise FormatError(f"{art.owner[name].path}: {exc}") from None
         elif entry.role in ("quantized", "kept"):
             tensors[name] = art.decode(name)
         progress.advance()

@@ -144,6 +144,18 @@ def check_source_loads(model: str, source: Any) -> None:
                          "output)")
 
 
+def tokenizer_warnings(model: str, source: Any) -> list[str]:
+    """A source without a tokenizer still quantizes (export-ane needs none), but its output cannot be evaluated,
+    continued or verified: said before any work, and in the report."""
+    try:
+        source.load_tokenizer()
+    except AccelError as exc:
+        message = (f"{exc}; the output will have none, so eval, generate and verify refuse it until its tokenizer "
+                   "files are added (export-ane needs none)")
+        return [message]
+    return []
+
+
 def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: bool = False,
                    progress: Progress = SILENT, jobs: int | None = None) -> dict[str, Any]:
     """Quantize MODEL into OUT_DIR; returns the report of design.md §3 (`quantize`).
@@ -172,11 +184,12 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
     with open_model(model) as source:
         inputs = sorted({Path(p) for p in source.input_files})
         check_source_loads(model, source)
+        warnings = tokenizer_warnings(model, source)
         maps = _build_maps(model, dict(source.config), settings, progress)  # names a shape mismatch first
         hashes = model_files_sha256(inputs)
         if settings.calib is not None:
             check_calibration_model(Path(settings.calib), hashes)
-        with output_dir(Path(out), force, inputs=inputs + [Path(model)] + calib) as tmp:
+        with output_dir(Path(out), force, inputs=inputs + [Path(model), source.path] + calib) as tmp:
             names = source.tensor_names()
             progress.stage(f"quantizing ({settings.weights or 'weights kept'})", len(names))
             results: dict[str, Any] = {}
@@ -248,4 +261,5 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
         "tensors": len(summary),
         "quantized_tensors": sum(1 for s in summary.values() if s["role"] == "quantized"),
         **({"tune": tuned} if tuned is not None else {}),
+        "warnings": warnings,
     }

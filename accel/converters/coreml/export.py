@@ -137,7 +137,7 @@ class WeightSource:
         file = self.artifact.owner[name]
         for stored in entry.parts.values():
             if not file.checksum_ok(stored):
-                raise FormatError(f"{file.path.name}: tensor '{name}': checksum mismatch in '{stored}'")
+                raise FormatError(f"{file.path}: tensor '{name}': checksum mismatch in '{stored}'")
         parts = {p: file.read_stored(s) for p, s in entry.parts.items()}
         count = codec.code_count(entry.params, entry.shape)
         codes = get_layout(entry.layout).unpack(parts.pop("codes"), levels, count)
