@@ -587,6 +587,58 @@ def test_verify_checks_every_file_of_the_package_against_the_manifest(capsys, pa
     assert code == 1 and "accel-manifest.json is damaged: weight " in json.loads(out)["errors"][0]
 
 
+def _edited_manifest(source: Path, out: Path, edit) -> Path:
+    import shutil
+
+    shutil.copytree(source, out)
+    path = out / "Data/com.github.accel/accel-manifest.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(manifest))
+    return out
+
+
+@pytest.mark.parametrize("edit,reference,message", [
+    (lambda m: m["dims"].update(vocab=0), False, "'dims' is missing or not what export writes"),
+    (lambda m: m.update(nominal_bits=0), False, "'nominal_bits' is missing or not what export writes"),
+    (lambda m: m["functions"]["prefill"].update(seq=1000), False, "does not run as its manifest describes it"),
+    (lambda m: m["dims"].update(vocab=100_000), False, "does not run as its manifest describes it"),
+    (lambda m: next(iter(m["weights"].values())).update(mil_name="nope"), True, "has no op 'nope'"),
+    (lambda m: next(iter(m["weights"].values())).update(source="nope.weight"), True, "KeyError"),
+    (lambda m: next(iter(m["weights"].values())).update(rows=[0, 5]), True, "does not run as its manifest"),
+])
+def test_a_manifest_edited_past_its_type_checks_is_a_fault(capsys, packages, untied, tmp_path, edit, reference,
+                                                           message):
+    """The accel manifest is not covered by the package's file hashes; values of the right type that do not fit
+    the program were tracebacks (ValueError, KeyError) or exit-2 errors from the interpreter (2026-12-06 audit)."""
+    broken = _edited_manifest(packages["fp16"], tmp_path / "broken.mlpackage", edit)
+    code, out, err = run_cli(capsys, "verify", broken, "--json", *(("--reference", untied) if reference else ()))
+    assert code == 1 and "Traceback" not in err, err
+    assert message in json.loads(out)["errors"][0]
+
+
+def test_verify_reads_a_package_without_changing_it(capsys, packages, tmp_path):
+    """coremltools' load_spec opened the package read-write and wrote its Manifest.json back (reformatted, a new
+    mtime) on every verify."""
+    import shutil
+
+    pkg = tmp_path / "p.mlpackage"
+    shutil.copytree(packages["int8"], pkg)
+    files = sorted(p for p in pkg.rglob("*") if p.is_file())
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in files}
+    assert run_cli(capsys, "verify", pkg)[0] == 0
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in files} == before
+    assert sorted(p for p in pkg.rglob("*") if p.is_file()) == files
+
+
+def test_verify_of_a_path_that_is_no_package_is_bad_input(capsys, tmp_path):
+    (tmp_path / "empty.mlpackage").mkdir()
+    for path, message in [(tmp_path / "nope.mlpackage", "no such package directory"),
+                          (tmp_path / "empty.mlpackage", "no Manifest.json (not a Core ML package)")]:
+        code, _, err = run_cli(capsys, "verify", path)
+        one_line_error(code, err, message)
+
+
 def test_damaged_package_files_are_faults_or_one_line_errors(capsys, packages, tmp_path):
     """Seeded byte damage to each file of a package (bits flipped, a byte set, a cut): inspect reports it or
     refuses it in one line; verify lists a fault (exit 1), never a traceback, and every damaged file that the

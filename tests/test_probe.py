@@ -163,7 +163,7 @@ def test_malformed_captures_are_named_errors(fixture, message):
 @pytest.mark.parametrize("mutate,message", [
     (lambda c: c.pop("run"), "run is missing"),
     (lambda c: c["counters"].update(source="magic"), "is not one of"),
-    (lambda c: c["counters"]["active"].update(read_bytes=-1), "read_bytes is negative"),
+    (lambda c: c["counters"]["active"].update(read_bytes=-1), "read_bytes must be a finite non-negative number"),
     (lambda c: c["counters"]["active"].update(write_bytes="many"), "write_bytes is missing or not"),
     (lambda c: c["run"].update(steps=True), "steps is missing or not an integer"),
     (lambda c: c.update(format="something"), "not an accel ANE capture"),
@@ -171,6 +171,13 @@ def test_malformed_captures_are_named_errors(fixture, message):
     (lambda c: c.update(package=True), "package must be an object"),
     (lambda c: c.update(errors=-1), "errors must be a list"),
     (lambda c: c["compute_plan"]["functions"]["decode"][0].update(outputs={"a": 1}), "outputs must be a list"),
+    # found by a black-box audit (2026-12-06, later): OverflowError tracebacks, or nonsense figures with exit 0
+    (lambda c: c["counters"]["active"].update(read_bytes=10**400), "active.read_bytes must be a finite"),
+    (lambda c: c["counters"]["active"].update(read_bytes=float("nan")), "active.read_bytes must be a finite"),
+    (lambda c: c["counters"]["idle"].update(read_bytes=-10**12), "idle.read_bytes must be a finite"),
+    (lambda c: c["counters"]["idle"].update(window_seconds=0), "idle.window_seconds must be a finite number above"),
+    (lambda c: c["counters"]["active"].update(window_seconds=-1.0), "active.window_seconds must be a finite"),
+    (lambda c: c["timing"].update(step_ms=[10**400] * len(c["timing"]["step_ms"])), "finite non-negative numbers"),
 ])
 def test_capture_fields_are_validated(tmp_path, mutate, message):
     capture = json.loads((FIXTURES / "capture_amc.json").read_text())

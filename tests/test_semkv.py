@@ -335,7 +335,8 @@ def test_baselines_run_in_the_same_harness(tiny_llama, text_file, spec):
     ("affine", "needs a level count"), ("turbo:x", "must be an integer"), ("affine:300", "2..256"),
     ("turbo:4,depth=3", "unknown option 'depth'"), ("quanto:3", "choose from 2, 4"), ("fp16:2", "takes no"),
     ("semkv", "needs calibration"),
-])
+    ("quanto:4,residual=0", "residual:0: choose from 1 to 4096$"),  # listed all 4096 (23 KB on one line) until
+])                                                                 # 2026-12-06
 def test_bad_eval_specs_are_refused(tiny_llama, text_file, spec, message):
     method, arg = parse_spec("kv", spec)
     with pytest.raises(AccelError, match=message):

@@ -54,7 +54,9 @@ def _int_arg(text: str, flag: str, allowed: tuple[int, ...]) -> int:
     except ValueError:
         raise AccelError(f"{flag}:{text}: expected an integer") from None
     if value not in allowed:
-        raise AccelError(f"{flag}:{value}: choose from {', '.join(map(str, allowed))}")
+        contiguous = list(allowed) == list(range(allowed[0], allowed[-1] + 1))
+        choices = f"{allowed[0]} to {allowed[-1]}" if contiguous and len(allowed) > 5 else ", ".join(map(str, allowed))
+        raise AccelError(f"{flag}:{value}: choose from {choices}")
     return value
 
 

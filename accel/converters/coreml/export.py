@@ -651,18 +651,21 @@ def manifest_problem(doc: dict[str, Any]) -> str | None:
     def is_int(v: Any) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
 
+    def positive(v: Any) -> bool:  # sizes, counts and the denominators of probe report's ratios
+        return is_int(v) and 0 < v < 2**53
+
     def pair(v: Any) -> bool:
         return isinstance(v, list) and len(v) == 2 and all(is_int(x) for x in v)
 
     for key, ok in [("encoding", lambda v: isinstance(v, str)), ("architecture", lambda v: isinstance(v, str)),
-                    ("source", lambda v: isinstance(v, str)), ("context", is_int), ("nominal_bits", is_int),
+                    ("source", lambda v: isinstance(v, str)), ("context", positive), ("nominal_bits", positive),
                     ("outputs", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
                     ("functions", lambda v: isinstance(v, dict) and all(
-                        isinstance(v.get(f), dict) and is_int(v[f].get("seq")) for f in ("prefill", "decode"))),
-                    ("dims", lambda v: isinstance(v, dict) and all(is_int(v.get(k)) for k in (
+                        isinstance(v.get(f), dict) and positive(v[f].get("seq")) for f in ("prefill", "decode"))),
+                    ("dims", lambda v: isinstance(v, dict) and all(positive(v.get(k)) for k in (
                         "vocab", "hidden", "layers", "heads", "kv_heads", "head_dim", "params"))),
-                    ("predicted", lambda v: isinstance(v, dict) and all(
-                        is_int(v.get(k)) for k in ("weight_bytes_per_token", "kv_bytes_per_token"))),
+                    ("predicted", lambda v: isinstance(v, dict) and positive(v.get("weight_bytes_per_token"))
+                     and is_int(v.get("kv_bytes_per_token")) and v["kv_bytes_per_token"] >= 0),
                     ("weights", lambda v: isinstance(v, dict))]:
         if key not in doc or not ok(doc[key]):
             return f"'{key}' is missing or not what export writes"

@@ -153,15 +153,18 @@ def load_program(package: Path):
     """The MIL program saved in a .mlpackage (model spec + weight file), as a pymil Program."""
     from accel.converters.coreml.export import import_coremltools
 
-    ct = import_coremltools()
+    import_coremltools()  # quietly: coremltools logs on import
     from coremltools.converters.mil.frontend.milproto.load import load as milproto_load
 
     package = Path(package)
     model_file = package / "Data" / "com.apple.CoreML" / "model.mlmodel"
     if not model_file.is_file():
         raise FormatError(f"{package}: no Data/com.apple.CoreML/model.mlmodel (not a Core ML package)")
-    try:
-        spec = ct.utils.load_spec(str(package))
+    from coremltools.proto import Model_pb2
+
+    try:  # the spec parsed from its file: ct.utils.load_spec opens the package read-write and rewrites its
+        spec = Model_pb2.Model()  # Manifest.json, and verify must not change its input
+        spec.ParseFromString(model_file.read_bytes())
         return milproto_load(spec, spec.specificationVersion, str(package / "Data" / "com.apple.CoreML" / "weights"))
     except Exception as exc:  # noqa: BLE001 - any parse failure of a foreign file is a format error
         raise FormatError(f"{package}: cannot read the Core ML program ({type(exc).__name__}: "

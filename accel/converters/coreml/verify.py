@@ -35,6 +35,10 @@ WEIGHT_ERROR_BOUND = {"fp16": 0.01, "int8": 0.05, "lut4": 0.3, "lut2": 0.7, "ter
 def verify_package(package: Path, reference: str | None = None, steps: int = DEFAULT_STEPS, seed: int = 0,
                    progress: Progress = SILENT) -> dict[str, Any]:
     package = Path(package)
+    if not package.is_dir():  # a wrong path is bad input (exit 2), not a damaged package
+        raise AccelError(f"{package}: no such package directory")
+    if not (package / "Manifest.json").is_file():
+        raise AccelError(f"{package}: no Manifest.json (not a Core ML package)")
     errors: list[str] = []
     try:
         manifest = read_manifest(package)
@@ -44,7 +48,29 @@ def verify_package(package: Path, reference: str | None = None, steps: int = DEF
         interp = Interpreter.from_package(package)
     except FormatError as exc:
         return {"ok": False, "errors": [str(exc)], "package": str(package)}
-    return _verify(package, manifest, interp, reference, steps, seed, progress)
+    source = WeightSource(reference) if reference is not None else None  # a bad --reference: exit 2 before work
+    try:
+        if source is not None:
+            check_reference_dims(source, manifest)
+        try:
+            return _verify(package, manifest, interp, source, steps, seed, progress)
+        except (AccelError, ValueError, KeyError, IndexError, TypeError, OverflowError) as exc:
+            # the manifest passed its checks but does not describe the program (an edited value): a fault
+            fault = (f"the package does not run as its manifest describes it ({type(exc).__name__}: "
+                     f"{' '.join(str(exc).split())[:200]})")
+            return {"ok": False, "package": str(package), "encoding": manifest.get("encoding"), "errors": [fault]}
+    finally:
+        if source is not None:
+            source.close()
+
+
+def check_reference_dims(source: WeightSource, manifest: dict[str, Any]) -> None:
+    """Refuse a --reference whose shape is not the package's (bad input: the wrong model named)."""
+    dims = llama_dims(source.config)
+    for key in ("vocab", "hidden", "layers", "heads", "kv_heads", "head_dim"):
+        if getattr(dims, key) != manifest["dims"][key]:
+            raise AccelError(f"--reference has {key}={getattr(dims, key)}, the package {manifest['dims'][key]}: "
+                             f"not the model the package was exported from")
 
 
 def file_errors(package: Path, manifest: dict[str, Any]) -> list[str]:
@@ -56,7 +82,7 @@ def file_errors(package: Path, manifest: dict[str, Any]) -> list[str]:
                        prefix="Data/", unlisted=True)
 
 
-def _verify(package: Path, manifest: dict[str, Any], interp: Interpreter, reference: str | None, steps: int,
+def _verify(package: Path, manifest: dict[str, Any], interp: Interpreter, source: WeightSource | None, steps: int,
             seed: int, progress: Progress) -> dict[str, Any]:
     errors = structure_errors(manifest, interp)
     report: dict[str, Any] = {"package": str(package), "encoding": manifest.get("encoding"),
@@ -75,14 +101,9 @@ def _verify(package: Path, manifest: dict[str, Any], interp: Interpreter, refere
         calls += run_decode_from_empty(interp, tokens, min(steps - after, len(tokens)), progress)
     bad = [f"{name}: non-finite logits" for name, _, logits in calls if not np.all(np.isfinite(logits))]
     errors += bad
-    if reference is None:
+    if source is None:
         return {**report, "ok": not errors, "errors": errors, "calls": len(calls)}
-
-    source = WeightSource(reference)
-    try:
-        ref_logits, weight_errors = reference_logits(source, manifest, interp, tokens)
-    finally:
-        source.close()
+    ref_logits, weight_errors = reference_logits(source, manifest, interp, tokens)
     results = []
     for name, start, logits in calls:
         want = ref_logits[start:start + logits.shape[0]]
@@ -98,7 +119,7 @@ def _verify(package: Path, manifest: dict[str, Any], interp: Interpreter, refere
     if worst[1] > bound:
         errors.append(f"weight {worst[0]}: the package's matrix differs from the reference's by {worst[1]:.3g} "
                       f"(more than {manifest.get('encoding')} encoding explains, {bound}): another model?")
-    return {**report, "ok": not errors, "errors": errors, "reference": reference,
+    return {**report, "ok": not errors, "errors": errors, "reference": source.spec,
             "max_rel_error": max(r["rel_error"] for r in results), "tolerance": FP16_TOLERANCE,
             "calls": results, "weight_rel_error": worst[1], "weight_rel_error_tensor": worst[0],
             "weight_rel_errors": dict(sorted(weight_errors.items()))}
@@ -176,11 +197,7 @@ def reference_logits(source: WeightSource, manifest: dict[str, Any], interp: Int
     from accel.converters.coreml.export import quiet_coremltools
     from accel.converters.coreml.placement import _hf_names
 
-    dims = llama_dims(source.config)
-    for key in ("vocab", "hidden", "layers", "heads", "kv_heads", "head_dim"):
-        if getattr(dims, key) != manifest["dims"][key]:
-            raise AccelError(f"--reference has {key}={getattr(dims, key)}, the package {manifest['dims'][key]}: "
-                             f"not the model the package was exported from")
+    dims = llama_dims(source.config)  # the same as the package's (check_reference_dims)
     tensors = {name: source.float(name).copy() for name in _hf_names(dims)}
     weight_errors = {}
     for pname, value in package_weights(manifest, interp).items():

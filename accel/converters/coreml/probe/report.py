@@ -7,6 +7,7 @@ from MLComputePlan (and how often accel's placement rules predicted the same dev
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,24 +63,23 @@ def load_capture(path: Path) -> Capture:
         raise FormatError(f"{path}: capture field run.steps must be at least 1")
     timing = need(doc, "timing", dict, "")
     step_ms = need(timing, "step_ms", list, "timing.")
-    if len(step_ms) != steps or not all(isinstance(v, (int, float)) and v >= 0 for v in step_ms):
-        raise FormatError(f"{path}: timing.step_ms must hold {steps} non-negative numbers")
+    if len(step_ms) != steps or not all(_measure(v) for v in step_ms):
+        raise FormatError(f"{path}: timing.step_ms must hold {steps} finite non-negative numbers")
     counters = need(doc, "counters", dict, "")
     source = need(counters, "source", str, "counters.")
     if source not in BYTE_SOURCES:
         raise FormatError(f"{path}: counters.source {source!r} is not one of {', '.join(BYTE_SOURCES)}")
     if source != "none":
-        active = need(counters, "active", dict, "counters.")
-        need(active, "window_seconds", (int, float), "counters.active.")
         keys = ("read_bytes", "write_bytes") if source == "ioreport-amc" else ("bytes",)
-        for key in keys:
-            if need(active, key, (int, float), "counters.active.") < 0:
-                raise FormatError(f"{path}: counters.active.{key} is negative")
-        idle = counters.get("idle")
-        if idle is not None:
-            need(idle, "window_seconds", (int, float), "counters.idle.")
+        windows = [("active", need(counters, "active", dict, "counters."))]
+        if counters.get("idle") is not None:
+            windows.append(("idle", counters["idle"]))
+        for name, window in windows:
+            if not _measure(need(window, "window_seconds", (int, float), f"counters.{name}."), positive=True):
+                raise FormatError(f"{path}: counters.{name}.window_seconds must be a finite number above 0")
             for key in keys:
-                need(idle, key, (int, float), "counters.idle.")
+                if not _measure(need(window, key, (int, float), f"counters.{name}.")):
+                    raise FormatError(f"{path}: counters.{name}.{key} must be a finite non-negative number")
     plan = doc.get("compute_plan", {"source": "unavailable", "functions": {}})
     if not isinstance(plan, dict) or not isinstance(plan.get("functions", {}), dict):
         raise FormatError(f"{path}: compute_plan.functions must be an object")
@@ -102,6 +102,15 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
     kinds = kind if isinstance(kind, tuple) else (kind,)
     names = {int: "an integer", float: "a number", str: "a string", list: "a list", dict: "an object"}
     return " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+def _measure(value: Any, positive: bool = False) -> bool:
+    """A number a capture can hold: finite, not negative (above 0 if `positive`), below 2^63 (bytes, seconds, ms)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return (value > 0 if positive else value >= 0) and value < 2**63
+    return math.isfinite(value) and (value > 0 if positive else value >= 0) and value < 2.0**63
 
 
 def measured_bytes(capture: Capture) -> tuple[float | None, dict[str, Any]]:
