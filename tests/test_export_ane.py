@@ -446,6 +446,7 @@ def test_quantized_out_dir_is_encoded_from_its_codes(untied, tmp_path, weights, 
     assert main(["quantize", str(untied), "--weights", weights, "--group", "16", "--out", str(q)]) == 0
     pkg = tmp_path / f"{weights}-{enc}.mlpackage"
     result = export_ane(q, pkg, ExportSettings(encoding=enc, context=32, prefill=4, naive=False))
+    assert result["warnings"] == []
     weights_doc = read_manifest(pkg)["weights"]
     from_codes = {p for p, w in weights_doc.items() if w["from"] == "codes"}
     if weights == "rtn4" and enc == "lut2":  # 16 levels do not fit 2 bits: re-encoded from the float decode
@@ -457,6 +458,16 @@ def test_quantized_out_dir_is_encoded_from_its_codes(untied, tmp_path, weights, 
     assert report["ok"], report["errors"]
     # the block matrices are the codes (up to fp16 rounding of the grid), not a re-quantization
     assert max(e for p, e in report["weight_rel_errors"].items() if p in from_codes) < 2e-3
+
+
+def test_a_prefill_cut_to_the_context_is_said(capsys, untied, tmp_path):
+    """--prefill longer than --context was cut to it without a word (2026-12-06 audit)."""
+    code, out, err = run_cli(capsys, "export-ane", untied, "--out", tmp_path / "p.mlpackage", "--encoding", "int8",
+                             "--context", "16", "--prefill", "32", "--no-naive", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["functions"]["prefill"] == 16 and "--prefill 32 is longer than --context 16" in doc["warnings"][0]
+    assert "warning: --prefill 32" in err
 
 
 # ------------------------------------------------------------------------------------------------- CLI

@@ -8,7 +8,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from accel.cli.common import JSON_OPTION, BarProgress, emit_json, stdout
+from accel.cli.common import JSON_OPTION, BarProgress, emit_json, stderr, stdout
 
 SWEEP = "sweep"
 
@@ -51,6 +51,8 @@ def register(app: typer.Typer) -> None:
 
         settings = ExportSettings(encoding=encoding, context=context, prefill=prefill, naive=naive)
         report = run_export(model, out, settings, force=force, progress=BarProgress())
+        for line in report["warnings"]:
+            stderr.print(f"warning: {line}", soft_wrap=True)
         if json_out:
             emit_json(report)
             return

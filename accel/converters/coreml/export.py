@@ -704,6 +704,7 @@ def export_ane(model: str | Path, out: Path, settings: ExportSettings, force: bo
         dims = llama_dims(source.config)
         prefill = min(settings.prefill, settings.context)
         check_ane_shapes(dims, settings.context, prefill)
+        warnings = export_warnings(model, source, settings, prefill)
         functions = {"prefill": prefill, "decode": 1}
         timings: dict[str, float] = {}
 
@@ -783,7 +784,22 @@ def export_ane(model: str | Path, out: Path, settings: ExportSettings, force: bo
         "weights_from_codes": sum(1 for w in plan.encoded.values() if w.source == "codes"),
         "seconds": time.perf_counter() - started,
         "timings": {k: round(v, 2) for k, v in timings.items()},
+        "warnings": warnings,
     }
+
+
+def export_warnings(model: str | Path, source: WeightSource, settings: ExportSettings, prefill: int) -> list[str]:
+    """What the package will not do that the arguments may have led a user to expect: an OUT_DIR's KV or state
+    maps (the package's KV cache is fp16; export-ane encodes weights), a --prefill cut to the context."""
+    warnings = []
+    if source.artifact is not None:
+        for kind in sorted(source.artifact.map_documents()):
+            warnings.append(f"{model}'s {kind} map is not exported: the package's cache is fp16 (export-ane encodes "
+                            "the weights only)")
+    if prefill < settings.prefill:
+        warnings.append(f"--prefill {settings.prefill} is longer than --context {settings.context}: the prefill "
+                        f"function takes {prefill} tokens")
+    return warnings
 
 
 def package_size(package: Path) -> int:
