@@ -352,3 +352,16 @@ def test_an_output_inside_an_input_directory_is_refused(capsys, model, tmp_path,
                        "--samples", "2", "--seq-len", "32")
     assert_one_line_error(code, err, 2, "lies inside the input")
     assert _snapshot(model) == before and not (calib / "q").exists()
+
+
+def test_eval_quality_gate(capsys, model, text_file):
+    """design.md: a CI job fails loudly when a quality gate is missed; `--max-delta-nll` is that gate (the docs
+    promised exit 1 for it while no command had one, 2026-12-06 audit)."""
+    args = ("eval", model, "--data", text_file, "--windows", "3", "--seq-len", "32", "--reference", model)
+    code, out, err = run(capsys, *args, "--max-delta-nll", "0.01", "--json")
+    gate = json.loads(out)["gate"]
+    assert code == 0 and gate["passed"] and gate["measure"] == "upper 95% bound" and gate["measured"] == 0.0
+    code, out, err = run(capsys, *args, "--max-delta-nll", "-0.5", "--json")
+    assert code == 1 and not json.loads(out)["gate"]["passed"] and "quality gate missed" in err
+    code, _, err = run(capsys, *args[:-2], "--max-delta-nll", "0.01")
+    assert_one_line_error(code, err, 2, "--max-delta-nll needs --reference")

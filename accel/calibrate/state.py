@@ -16,7 +16,7 @@ state snapshot per segment and layer. Per channel (a d_k row of a head's state) 
 - stability: both statistics again on two disjoint halves of the windows (even and odd windows), and the
   Spearman rank correlation between the halves.
 
-It writes `stats.safetensors` (an accel container: energy, persistence, mean_log_decay as [layers, heads, d_k];
+It writes `model.safetensors` (an accel container: energy, persistence, mean_log_decay as [layers, heads, d_k];
 the half-data versions as [2, layers, heads, d_k]), `table.md`, and PNG plots (when matplotlib is installed).
 """
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from accel.cli.common import JSON_OPTION, BarProgress, emit_json, stdout
-from accel.errors import CheckFailed
+from accel.errors import AccelError, CheckFailed
 
 
 def register(app: typer.Typer) -> None:
@@ -28,16 +28,23 @@ def register(app: typer.Typer) -> None:
                                   "eval decode token by token (each through its own cache; faster on small models). "
                                   "Equal to --batch 1 up to float rounding, which a quantized cache can round "
                                   "differently: per-window NLL then moves by the map's own noise."),
+        max_delta_nll: float = typer.Option(None, "--max-delta-nll", help="Quality gate (needs --reference): "
+                                            "exit 1 unless the upper end of ΔNLL's 95% interval (ΔNLL itself "
+                                            "with one window) is at most this many nats per token."),
         json_out: bool = JSON_OPTION,
     ) -> None:
         """Perplexity of MODEL on --data; with --reference, the paired ΔNLL and its bootstrap 95% interval."""
         from accel.eval.evaluate import EvalSettings, evaluate
 
+        if max_delta_nll is not None and (reference is None or not math.isfinite(max_delta_nll)):
+            raise AccelError("--max-delta-nll needs --reference and a finite number of nats per token")
         result = evaluate(model, EvalSettings(data=data, reference=reference, windows=windows, seq_len=seq_len,
                                               seed=seed, kv=kv, state=state, kernels=kernels, batch=batch),
                           BarProgress())
         finite = math.isfinite(result["nll"])
         ref_finite = "ref_nll" not in result or math.isfinite(result["ref_nll"])
+        if max_delta_nll is not None:
+            result["gate"] = delta_nll_gate(result, max_delta_nll)
         if json_out:
             emit_json(result)
         else:
@@ -48,6 +55,19 @@ def register(app: typer.Typer) -> None:
         if not ref_finite:
             raise CheckFailed("the reference's NLL is not finite (NaN or Inf in its outputs), so there is no ΔNLL; "
                               "check --reference")
+        gate = result.get("gate")
+        if gate is not None and not gate["passed"]:
+            raise CheckFailed(f"quality gate missed: ΔNLL {gate['measured']:+.5f} ({gate['measure']}) is above "
+                              f"--max-delta-nll {max_delta_nll}")
+
+
+def delta_nll_gate(result: dict, limit: float) -> dict:
+    """The gate's verdict: the upper end of the paired ΔNLL's 95% interval (ΔNLL itself when one window gives no
+    interval) against `limit`; a non-finite ΔNLL fails."""
+    high = result["delta_nll_ci"][1]
+    measure, measured = ("upper 95% bound", high) if math.isfinite(high) else ("one window", result["delta_nll"])
+    return {"max_delta_nll": limit, "measure": measure, "measured": measured,
+            "passed": bool(math.isfinite(measured) and measured <= limit)}
 
 
 def _print(result: dict) -> None:

@@ -40,5 +40,6 @@ def register(app: typer.Typer) -> None:
             parts.append(f"kv ({result['kv']['method']}) {result['kv_bytes_per_token']:.1f} bytes per token "
                          f"({result['kv_reduction']:.2f}x smaller than fp16)")
         if "state_bits_per_value" in result:
-            parts.append(f"state ({result['state']['method']}) {result['state_bits_per_value']:.3f} bits per value")
+            parts.append(f"state ({result['state']['method']}) {result['state_bits_per_value']:.3f} bits per value, "
+                         f"{result['state_bytes']:.0f} bytes (float32: {result['state_fp32_bytes']})")
         stderr.print("  ".join(parts), soft_wrap=True)
