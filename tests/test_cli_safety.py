@@ -365,3 +365,14 @@ def test_eval_quality_gate(capsys, model, text_file):
     assert code == 1 and not json.loads(out)["gate"]["passed"] and "quality gate missed" in err
     code, _, err = run(capsys, *args[:-2], "--max-delta-nll", "0.01")
     assert_one_line_error(code, err, 2, "--max-delta-nll needs --reference")
+
+
+def test_eval_says_when_the_text_holds_fewer_windows_than_asked(capsys, model, text_file):
+    """It evaluated fewer without a word (the JSON's `windows` said how many; 2026-12-06 audit)."""
+    code, out, err = run(capsys, "eval", model, "--data", text_file, "--windows", "100000", "--seq-len", "256",
+                         "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["windows"] < 100000 and f"evaluated {doc['windows']}" in doc["warnings"][0]
+    assert "warning: the text holds" in err
+    code, out, err = run(capsys, "eval", model, "--data", text_file, "--windows", "2", "--seq-len", "32", "--json")
+    assert code == 0 and json.loads(out)["warnings"] == [] and "warning" not in err

@@ -49,9 +49,13 @@ def evaluate(spec: str | Path, settings: EvalSettings, progress: Progress = SILE
         map_report.update(runtime.report())
     progress.close()
     del loaded
+    warnings = []
+    if settings.windows is not None and len(windows) < settings.windows:
+        warnings.append(f"the text holds {len(windows)} windows of --seq-len {settings.seq_len} tokens, fewer than "
+                        f"--windows {settings.windows}: evaluated {len(windows)}")
     result: dict[str, Any] = {"model": str(spec), "ppl": arm.ppl, "nll": arm.mean, "windows": len(windows),
                               "tokens": arm.tokens, "seq_len": settings.seq_len, "kernels": settings.kernels,
-                              "window_nll": [float(v) for v in arm.nll], **map_report}
+                              "window_nll": [float(v) for v in arm.nll], **map_report, "warnings": warnings}
     if settings.reference is not None:
         ref_loaded = load_causal_lm(settings.reference, progress)
         check_context(settings.seq_len, ref_loaded.config, "the reference")
