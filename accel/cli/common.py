@@ -55,6 +55,12 @@ stdout = _Console(highlight=False, emoji=False, markup=False, width=_piped_width
 JSON_OPTION = typer.Option(False, "--json", help="Print one JSON object on stdout (logs and progress go to stderr).")
 
 
+def print_warnings(lines: list[str]) -> None:
+    """A report's `warnings`, one line each on stderr (in --json mode too: they are in the JSON as well)."""
+    for line in lines:
+        stderr.print(f"warning: {line}", soft_wrap=True)
+
+
 def emit_json(obj: dict[str, Any]) -> None:
     """One JSON object on stdout; NaN and infinities (which json.dumps would write as bare NaN, not JSON) as null."""
     write_stdout(json.dumps(_finite(obj), sort_keys=True, default=_jsonable, allow_nan=False) + "\n")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from accel.cli.common import JSON_OPTION, BarProgress, emit_json, stderr, stdout
+from accel.cli.common import JSON_OPTION, BarProgress, emit_json, print_warnings, stdout
 from accel.errors import AccelError, CheckFailed
 
 
@@ -45,8 +45,7 @@ def register(app: typer.Typer) -> None:
         ref_finite = "ref_nll" not in result or math.isfinite(result["ref_nll"])
         if max_delta_nll is not None:
             result["gate"] = delta_nll_gate(result, max_delta_nll)
-        for line in result["warnings"]:
-            stderr.print(f"warning: {line}", soft_wrap=True)
+        print_warnings(result["warnings"])
         if json_out:
             emit_json(result)
         else:

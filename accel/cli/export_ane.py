@@ -8,7 +8,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from accel.cli.common import JSON_OPTION, BarProgress, emit_json, stderr, stdout
+from accel.cli.common import JSON_OPTION, BarProgress, emit_json, print_warnings, stdout
 
 SWEEP = "sweep"
 
@@ -51,8 +51,7 @@ def register(app: typer.Typer) -> None:
 
         settings = ExportSettings(encoding=encoding, context=context, prefill=prefill, naive=naive)
         report = run_export(model, out, settings, force=force, progress=BarProgress())
-        for line in report["warnings"]:
-            stderr.print(f"warning: {line}", soft_wrap=True)
+        print_warnings(report["warnings"])
         if json_out:
             emit_json(report)
             return

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from accel.cli.common import JSON_OPTION, BarProgress, emit_json, stderr, stdout
+from accel.cli.common import JSON_OPTION, BarProgress, emit_json, print_warnings, stdout
 
 
 def register(app: typer.Typer) -> None:
@@ -35,8 +35,7 @@ def register(app: typer.Typer) -> None:
                                     calib=str(calib) if calib else None, kv=kv, state=state,
                                     tune_steps=tune_steps)
         report = quantize_model(model, out, settings, force=force, progress=BarProgress(), jobs=jobs)
-        for line in report["warnings"]:
-            stderr.print(f"warning: {line}", soft_wrap=True)
+        print_warnings(report["warnings"])
         if json_out:
             emit_json(report)
             return

@@ -35,11 +35,17 @@ def check_window_args(seq_len: int, windows: int | None) -> None:
         raise AccelError(f"--windows must be at least 1, got {windows}")
 
 
-def check_context(seq_len: int, config: dict, what: str = "the model") -> None:
-    """Refuse windows longer than the positions the model was built for (its max_position_embeddings): what it
-    computes there is not what it was trained to."""
+def max_positions(config: dict) -> int | None:
+    """The positions the model was built for (max_position_embeddings), None when the config does not say."""
     limit = config.get("max_position_embeddings")
-    if isinstance(limit, int) and not isinstance(limit, bool) and seq_len > limit:
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+
+
+def check_context(seq_len: int, config: dict, what: str = "the model") -> None:
+    """Refuse windows longer than the positions the model was built for: what it computes there is not what it was
+    trained to."""
+    limit = max_positions(config)
+    if limit is not None and seq_len > limit:
         raise AccelError(f"--seq-len {seq_len} is longer than {what}'s {limit} positions (max_position_embeddings)")
 
 

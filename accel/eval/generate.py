@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from accel.errors import AccelError
+from accel.eval.data import max_positions
 from accel.eval.evaluate import check_kernels_spec, map_runtime
 from accel.eval.load import load_causal_lm
 from accel.progress import SILENT, Progress
@@ -97,8 +98,8 @@ def generate(spec: str | Path, settings: GenerateSettings, progress: Progress = 
     prompt_ids = [int(i) for i in loaded.tokenizer(settings.prompt)["input_ids"]]
     if not prompt_ids:
         raise AccelError("--prompt gives no tokens with this model's tokenizer")
-    limit = loaded.config.get("max_position_embeddings")
-    if isinstance(limit, int) and len(prompt_ids) + settings.tokens > limit:
+    limit = max_positions(loaded.config)
+    if limit is not None and len(prompt_ids) + settings.tokens > limit:
         raise AccelError(f"the prompt's {len(prompt_ids)} tokens and --tokens {settings.tokens} exceed the model's "
                          f"{limit} positions")
     runtime, map_report = map_runtime(loaded, settings.kv, settings.state)

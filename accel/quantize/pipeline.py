@@ -144,9 +144,9 @@ def check_source_loads(model: str, source: Any) -> None:
                          "output)")
 
 
-def tokenizer_warnings(model: str, source: Any) -> list[str]:
+def tokenizer_warnings(source: Any) -> list[str]:
     """A source without a tokenizer still quantizes (export-ane needs none), but its output cannot be evaluated,
-    continued or verified: said before any work, and in the report."""
+    continued or verified: looked for before any work, said in the report (and by the CLI on stderr)."""
     try:
         source.load_tokenizer()
     except AccelError as exc:
@@ -184,7 +184,7 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
     with open_model(model) as source:
         inputs = sorted({Path(p) for p in source.input_files})
         check_source_loads(model, source)
-        warnings = tokenizer_warnings(model, source)
+        warnings = tokenizer_warnings(source)
         maps = _build_maps(model, dict(source.config), settings, progress)  # names a shape mismatch first
         hashes = model_files_sha256(inputs)
         if settings.calib is not None:

@@ -7,7 +7,6 @@ from MLComputePlan (and how often accel's placement rules predicted the same dev
 
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,9 +107,7 @@ def _measure(value: Any, positive: bool = False) -> bool:
     """A number a capture can hold: finite, not negative (above 0 if `positive`), below 2^63 (bytes, seconds, ms)."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return False
-    if isinstance(value, int):
-        return (value > 0 if positive else value >= 0) and value < 2**63
-    return math.isfinite(value) and (value > 0 if positive else value >= 0) and value < 2.0**63
+    return (value > 0 if positive else value >= 0) and value < 2**63  # NaN fails both, +inf the second
 
 
 def measured_bytes(capture: Capture) -> tuple[float | None, dict[str, Any]]:
