@@ -90,9 +90,10 @@ def _dispatch(argv: list[str]) -> int:
         stderr.print("aborted")
         return 130
     except _USAGE as exc:  # usage errors: bad option, missing argument
+        message = exc.format_message()
         if want_json:
-            emit_json({"ok": False, "error": exc.format_message()})
-        exc.show()
+            emit_json({"ok": False, "error": message})
+        stderr.print(f"[bold red]error:[/] {escape(message)}{escape(_help_hint(exc))}", soft_wrap=True, markup=True)
         return 2
     except OutputClosed:  # whoever read stdout stopped (`| head`): quietly, as a tool that SIGPIPE stopped
         _discard_stdout()
@@ -118,6 +119,14 @@ def _dispatch(argv: list[str]) -> int:
         if not SIGTERM_SEEN["seen"]:
             stderr.print("interrupted")
         return 130
+
+
+def _help_hint(exc: BaseException) -> str:
+    """' (see accel quantize -h)' for a usage error raised inside a command; click prints the command's usage
+    line and a 'Try ... for help' line around the message, which makes a four-line error of one mistake."""
+    ctx = getattr(exc, "ctx", None)
+    path = getattr(ctx, "command_path", "") if ctx is not None else ""
+    return f" (see {path} -h)" if path else ""
 
 
 def _discard_stdout() -> None:
