@@ -313,6 +313,23 @@ def test_verify_of_something_that_is_no_accel_output_is_bad_input(capsys, model,
         assert_one_line_error(code, err, 2, message)
 
 
+def test_a_container_damaged_past_its_header_length_is_a_fault_in_an_output(capsys, model, tmp_path):
+    """A byte flipped where the JSON header begins made the container read as 'not a safetensors file', and verify
+    of the output directory exited 2 (bad input) as for a text file: accel.json marks the directory as an output,
+    so its unreadable container is damage (exit 1). A lone container cannot be told from another file (exit 2)."""
+    out = tmp_path / "q"
+    assert run(capsys, "quantize", model, "--weights", "rtn4", "--out", out)[0] == 0
+    weights = out / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    raw[8] = ord("x")
+    weights.write_bytes(bytes(raw))
+    code, stdout, _ = run(capsys, "verify", out, "--json")
+    assert code == 1 and json.loads(stdout)["ok"] is False
+    assert "not a safetensors file" in json.loads(stdout)["errors"][0]
+    code, _, err = run(capsys, "verify", weights)
+    assert_one_line_error(code, err, 2, "not a safetensors file")
+
+
 def test_a_damaged_calibration_is_named_by_its_path(capsys, model, tmp_path, text_file):
     """The message said 'model.safetensors: ...', the name of the source model's own weights file as well."""
     calib = tmp_path / "cal"

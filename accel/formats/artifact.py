@@ -91,7 +91,7 @@ class Artifact:
         if not self.path.exists():
             raise FormatError(f"{self.path}: no such file or directory")
         self.root = self.path if self.path.is_dir() else self.path.parent
-        self.files = [AccelFile(p) for p in self._weight_files()]
+        self.files = [self._open(p) for p in self._weight_files()]
         self.owner: dict[str, AccelFile] = {}
         for f in self.files:
             for name in f.entries:
@@ -102,6 +102,14 @@ class Artifact:
         self.config = self._read_object("config.json") if self.path.is_dir() else None
         self.extra = {k: v for k, v in self.files[0].doc.items()
                       if k not in ("format", "version", "tensors", "checksums")} if self.files else {}
+
+    def _open(self, path: Path) -> AccelFile:
+        try:
+            return AccelFile(path)
+        except NotAccelOutput as exc:  # inside a directory accel.json marks as an output, the container is damaged
+            if self.path.is_dir() and (self.path / MANIFEST_FILE).exists():
+                raise FormatError(str(exc)) from None
+            raise
 
     def _weight_files(self) -> list[Path]:
         if self.path.is_file():
