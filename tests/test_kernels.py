@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 
 import numpy as np
 import pytest
@@ -545,7 +547,6 @@ def test_other_compilers_build_working_kernels(compiler, tmp_path, monkeypatch, 
     baseline x86-64 (where clang 14 has no _Float16); the kernels each builds agree with float64 on an affine and a
     Leech weight."""
     import platform
-    import shutil
 
     from accel.kernels import state_update, weights
 
@@ -582,7 +583,6 @@ def test_other_compilers_build_working_kernels(compiler, tmp_path, monkeypatch, 
 def test_sources_compile_for_aarch64(tmp_path):
     """Both C sources compile for 64-bit Arm (Apple silicon, Graviton: the scalar paths), with and without OpenMP,
     where a cross compiler is installed (Debian's gcc-aarch64-linux-gnu)."""
-    import shutil
     import subprocess
 
     from accel.kernels import state_update
@@ -596,6 +596,29 @@ def test_sources_compile_for_aarch64(tmp_path):
             run = subprocess.run([cc, *flags, "-o", str(tmp_path / "k.so"), str(source), "-lm"], check=False,
                                  capture_output=True, text=True)
             assert run.returncode == 0, run.stderr
+
+
+def test_build_key_covers_every_part_the_source_includes(tmp_path, monkeypatch):
+    """accel_kernels.c #includes its family parts: an edit to any of them (or to a header) must build anew, and the
+    key of a copy (bench/kernel_ab.py's revisions) is taken from the copy's own parts."""
+    monkeypatch.setenv("ACCEL_KERNEL_CACHE", str(tmp_path / "cache"))
+    def touch(cc, source, target):  # the key is under test, not gcc
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(b"")
+
+    monkeypatch.setattr(_build, "_build", touch)
+    copy = tmp_path / "csrc"
+    shutil.copytree(_build.SOURCE.parent, copy)
+    parts = {p.name for p in _build.included_files(copy / "accel_kernels.c")}
+    included = set(re.findall(r'#include "([^"]+)"', (copy / "accel_kernels.c").read_text()))
+    assert included <= parts and "base3_tiles.c" in parts and "accel_kernels.c" not in parts
+    first = _build.library_path(copy / "accel_kernels.c")
+    assert _build.library_path(copy / "accel_kernels.c") == first
+    for name in sorted(included):
+        with open(copy / name, "a") as f:
+            f.write("\n/* edited */\n")
+        assert _build.library_path(copy / "accel_kernels.c") != first, name
+        first = _build.library_path(copy / "accel_kernels.c")
 
 
 def test_missing_compiler_is_a_clear_error(monkeypatch):

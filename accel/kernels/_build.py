@@ -1,13 +1,14 @@
 """Build the C kernels with gcc on first use and load them through ctypes.
 
 The shared library is cached under $ACCEL_KERNEL_CACHE (default ~/.cache/accel/kernels) in a file named by the
-SHA-256 of the source (and the headers in csrc/), the compiler command and the CPU (flags, model), since
--march=native code is only valid on the CPU it was built for. $ACCEL_KERNEL_ARCH (default "native") replaces the
--march target: `x86-64-v3` builds the AVX2 paths on an AVX-512 machine (how `make test` checks them), `x86-64` the
-portable scalar code. A compiler that refuses -fopenmp (Apple's clang has no OpenMP) gets a build without it, whose
-kernels run on one thread (accel_openmp_available() says which), and one that refuses the default -march=native a
-build without -march. A build writes to a temporary name in the cache directory and renames it into place, so
-concurrent first uses (test workers, spawn pools) never load a half-written file.
+SHA-256 of the source (and of the files it may include: the kernel library's parts and headers in csrc/), the
+compiler command and the CPU (flags, model), since -march=native code is only valid on the CPU it was built for.
+$ACCEL_KERNEL_ARCH (default "native") replaces the -march target: `x86-64-v3` builds the AVX2 paths on an AVX-512
+machine (how `make test` checks them), `x86-64` the portable scalar code. A compiler that refuses -fopenmp (Apple's
+clang has no OpenMP) gets a build without it, whose kernels run on one thread (accel_openmp_available() says which),
+and one that refuses the default -march=native a build without -march. A build writes to a temporary name in the
+cache directory and renames it into place, so concurrent first uses (test workers, spawn pools) never load a
+half-written file.
 """
 
 from __future__ import annotations
@@ -75,6 +76,14 @@ def _compiler() -> str:
     return cc
 
 
+def included_files(source: Path) -> list[Path]:
+    """The files a C source may #include, in a fixed order: the other .c and .h files beside it and in its csrc/
+    (accel_kernels.c includes its family parts and omp_compat.h; state_update.c includes csrc/omp_compat.h). The
+    source's own directory is what counts, so that a revision's copy (bench/kernel_ab.py) is keyed by its parts."""
+    dirs = [source.parent] + ([source.parent / "csrc"] if (source.parent / "csrc").is_dir() else [])
+    return [p for d in dirs for p in sorted(d.glob("*.[ch]")) if p.resolve() != source.resolve()]
+
+
 def library_path(source: Path = SOURCE, stem: str = "accel_kernels") -> Path:
     """Where the library for this C source, compiler and CPU lives (built if missing)."""
     cc = _compiler()
@@ -83,8 +92,8 @@ def library_path(source: Path = SOURCE, stem: str = "accel_kernels") -> Path:
     except (OSError, subprocess.CalledProcessError) as exc:
         raise KernelUnavailable(f"the C compiler {cc!r} does not run: {exc}") from None
     key = hashlib.sha256()
-    headers = b"".join(h.read_bytes() for h in sorted(SOURCE.parent.glob("*.h")))  # the sources include them
-    for part in (source.read_bytes(), headers, " ".join(flags()).encode(), version.encode(), _cpu_identity().encode(),
+    included = b"".join(p.name.encode() + b"\0" + p.read_bytes() for p in included_files(source))
+    for part in (source.read_bytes(), included, " ".join(flags()).encode(), version.encode(), _cpu_identity().encode(),
                  platform.machine().encode()):
         key.update(hashlib.sha256(part).digest())
     target = cache_dir() / f"{stem}-{key.hexdigest()[:24]}.so"

@@ -115,7 +115,7 @@ class AffineWeight(KernelWeight):
         self.offset = None if self.symmetric else np.ascontiguousarray(parts["offset"])
         self.nbytes = self.call_bytes = int(sum(np.asarray(a).nbytes for a in parts.values()))
         self._lib = library()
-        # a 16-row tile copy for the integer kernels (accel_kernels.c), where the CPU and the shapes allow; it
+        # a 16-row tile copy for the integer kernels (csrc/affine_tiles.c), where the CPU and the shapes allow; it
         # replaces the stored stream in memory. "packed": 8/4/2-bit codes; "base3": L = 3, in the base-3 tiles' order.
         # accel_tiled_kinds: bit b for b-bit packed codes, bit 3 for base-3 (AVX-512 VNNI: all; AVX2: 4, 2 and base-3)
         self.tiled = None
@@ -146,7 +146,7 @@ class AffineWeight(KernelWeight):
     def _row_bytes(self) -> np.ndarray:
         """(rows, bytes) of each row's codes in the order of its tile steps: as stored for packed codes; base-3 codes 5
         to a byte (digit j weighs 3^j, as in the format), digit j of a super-block's bytes holding its block j, 4
-        columns a step (accel_kernels.c, "affine base-3, 16-row tiles")."""
+        columns a step (csrc/base3_tiles.c)."""
         rows, cols = self.shape
         if self.tiled == "packed":
             return self.codes.reshape(rows, cols * self.bits // 8)
@@ -281,7 +281,7 @@ class LeechWeight(KernelWeight):
         self.streams = streams
         self._lib = library()
         # 4-plane and onehot stages also get a 16-row tile copy of their bit planes, read with plain loads instead
-        # of gathers, followed by a tile copy of their parity bits (accel_kernels.c); the stored streams stay for
+        # of gathers, followed by a tile copy of their parity bits (csrc/leech_tiles.c, leech_rows.c); the stored streams stay for
         # decode_rows and the float path
         tiles_ok = bool(self._lib.accel_leech_tiles_available())
         lane_order = bool(self._lib.accel_leech_planes_lane_order())
@@ -338,7 +338,7 @@ _LANE_ROWS = [0, 4, 1, 5, 2, 6, 3, 7]  # the AVX2 order of a half tile's rows: r
 
 
 def _planes_tiles(stream: np.ndarray, rows: int, cols: int, lane_order: bool = False) -> np.ndarray:
-    """A 4-plane stage's planes as 16-row tiles (see "Leech planes, 16-row tiles" in accel_kernels.c).
+    """A 4-plane stage's planes as 16-row tiles (see csrc/leech_tiles.c).
 
     The AVX-512 kernel's order: [tile][step][half][row][qword], byte 7 - (4 a + j) of a row's qword = plane j's byte
     2 step + a of that row. The AVX2 kernel's (lane_order): [tile][step][half][a][row in _LANE_ROWS][dword], byte
