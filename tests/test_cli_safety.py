@@ -393,3 +393,124 @@ def test_eval_says_when_the_text_holds_fewer_windows_than_asked(capsys, model, t
     assert "warning: the text holds" in err
     code, out, err = run(capsys, "eval", model, "--data", text_file, "--windows", "2", "--seq-len", "32", "--json")
     assert code == 0 and json.loads(out)["warnings"] == [] and "warning" not in err
+
+
+def _interrupt_after_a_bar(monkeypatch, terminated: bool):
+    """quantize_model that draws a bar on an animated terminal, then stops as Ctrl-C or SIGTERM's handler stops it."""
+    from accel.cli import common
+    from accel.quantize import pipeline
+
+    monkeypatch.setattr(common, "stderr_animates", lambda: True)
+
+    def stopped(model, out, settings, force=False, progress=None, jobs=None):
+        progress.stage("quantizing", 10)
+        progress.advance()
+        if terminated:
+            common.SIGTERM_SEEN["seen"] = True  # what accel.cli.main._on_sigterm does
+            raise common.Terminated()
+        raise KeyboardInterrupt()
+
+    monkeypatch.setattr(pipeline, "quantize_model", stopped)
+
+
+@pytest.mark.parametrize("terminated", [False, True])
+def test_an_interrupt_takes_the_bar_down_and_says_so(capsys, monkeypatch, model, tmp_path, terminated):
+    """Ctrl-C left the bar drawn and the cursor hidden (rich's live display was never stopped), printed nothing and,
+    under --json, no error object; SIGTERM printed 'terminated' and then the bar again."""
+    from accel.cli import common
+    from accel.cli.main import main
+
+    _interrupt_after_a_bar(monkeypatch, terminated)
+    code = main(["quantize", str(model), "--weights", "rtn4", "--out", str(tmp_path / "q"), "--json"])
+    out, err = capsys.readouterr()
+    word = "terminated" if terminated else "interrupted"
+    assert code == (143 if terminated else 130)
+    assert json.loads(out) == {"ok": False, "error": word}
+    assert err.strip().splitlines()[-1] == word and err.count(word) == 1
+    assert not common.BarProgress._live
+
+
+def test_a_failing_stdout_under_json_is_one_line(monkeypatch, capsys):
+    """`accel models --json > /dev/full`: the error report on the same stdout failed again, two chained tracebacks
+    and exit 1."""
+    from accel.cli import common
+
+    def full(text):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(common, "write_stdout", full)
+    from accel.cli.main import main
+
+    code = main(["models", "--json"])
+    _, err = capsys.readouterr()
+    assert_one_line_error(code, err, 2, "No space left on device")
+
+
+def test_no_command_prints_the_help_without_an_empty_error(capsys):
+    from accel.cli.main import main
+
+    assert main([]) == 2
+    out, err = capsys.readouterr()
+    assert "Usage" in out and "error" not in err
+
+
+def test_a_copy_that_fails_is_one_line_with_the_first_file(monkeypatch):
+    """copytree's Error (a full disk under export-ane's package copy) printed a list of tuples, 2.5 KB."""
+    from accel.cli.main import _os_message
+
+    failures = [("/tmp/a/x", "/out/.p.tmp/x", "[Errno 28] No space left on device: '/tmp/a/x' -> '/out/.p.tmp/x'"),
+                ("/tmp/a/y", "/out/.p.tmp/y", "[Errno 28] No space left on device: '/tmp/a/y' -> '/out/.p.tmp/y'")]
+    assert _os_message(shutil.Error(failures)) == "No space left on device: /out/.p.tmp/x (and 1 more files)"
+
+
+def test_a_full_disk_names_the_output(monkeypatch, tmp_path):
+    from accel.formats.atomic import output_dir
+
+    with pytest.raises(OSError) as caught, output_dir(tmp_path / "out") as tmp, open(tmp / "w", "wb"):
+        raise OSError(28, "No space left on device")
+    assert caught.value.filename == str((tmp_path / "out").absolute())
+    assert not list(tmp_path.iterdir())
+
+
+def test_force_over_a_link_replaces_the_link_and_leaves_nothing(capsys, model, tmp_path, monkeypatch):
+    """The renamed link was handed to rmtree, which refuses links: a hidden .NAME.old-PID link was left behind."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to("target")
+    assert run(capsys, "quantize", model, "--weights", "rtn4", "--out", "link", "--force")[0] == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "target"]
+    assert (tmp_path / "link").is_dir() and not (tmp_path / "link").is_symlink()
+
+
+def test_a_dash_path_comes_back_usable(capsys, model, tmp_path, monkeypatch):
+    """The report's `out` was '-q' for --out ./-q: passed on, the next command took it for an option."""
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = run(capsys, "quantize", model, "--weights", "rtn4", "--out", "./-q", "--json")
+    assert code == 0 and json.loads(out)["out"] == "./-q"
+    assert run(capsys, "inspect", json.loads(out)["out"])[0] == 0
+
+
+@pytest.mark.parametrize("tty, env, animates", [(True, {"TERM": "xterm"}, True), (True, {"TERM": "dumb"}, False),
+                                                (False, {"FORCE_COLOR": "1", "TERM": "xterm"}, False)])
+def test_bars_redraw_only_where_the_terminal_can(monkeypatch, tty, env, animates):
+    """FORCE_COLOR made rich take a pipe for a terminal: the bar redrew itself into the CI log (19 KB of carriage
+    returns and cursor codes); TERM=dumb got neither a bar nor the stage lines."""
+    from accel.cli import common
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(common.os, "isatty", lambda fd: tty)
+    monkeypatch.setattr(common.sys, "stderr", type("S", (), {"fileno": lambda self: 2})())
+    assert common.stderr_animates() is animates
+
+
+def test_an_encoding_without_the_output_characters_is_not_a_traceback(tmp_path):
+    """PYTHONIOENCODING=latin-1: the Δ of ΔNLL raised UnicodeEncodeError (exit 1)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONIOENCODING="latin-1", COLUMNS="200")
+    proc = subprocess.run([sys.executable, "-c", "from accel.cli.main import run; run()", "eval", "-h"],
+                          capture_output=True, env=env, check=False)
+    assert proc.returncode == 0 and b"Traceback" not in proc.stderr and b"?NLL" in proc.stdout

@@ -20,7 +20,7 @@ from accel import __version__
 from accel.calibrate import CALIB_MANIFEST, without_timings
 from accel.errors import AccelError
 from accel.eval.data import check_context, read_text, token_windows
-from accel.formats.atomic import atomic_write_text, output_dir
+from accel.formats.atomic import atomic_write_text, output_dir, path_for_report
 from accel.progress import SILENT, Progress
 
 # kind -> (module that registers it, issue that tracks it)
@@ -134,5 +134,5 @@ def calibrate(model: str, data: Path, out: Path, kinds: list[str], settings: Cal
                     "tokens": int(windows.size), "windows": len(windows), "reports": without_timings(reports),
                     "files": calibration_files_sha256(tmp)}
         atomic_write_text(tmp / CALIB_MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    return {"out": str(out), "for": list(runners), "windows": len(windows), "tokens": int(windows.size),
+    return {"out": path_for_report(out), "for": list(runners), "windows": len(windows), "tokens": int(windows.size),
             **reports}

@@ -7,7 +7,7 @@ import math
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import typer
 from rich.console import Console
@@ -100,11 +100,25 @@ def _raise_if_terminated() -> None:
         raise Terminated()
 
 
+def stderr_animates() -> bool:
+    """Whether a progress bar may redraw itself on stderr: stderr is a terminal that can move its cursor. Asked of
+    the file descriptor, not of rich, which takes FORCE_COLOR (or TTY_COMPATIBLE) as a terminal and would then
+    redraw the bar into a CI log with carriage returns and cursor codes; TERM=dumb cannot move the cursor."""
+    try:
+        tty = os.isatty(sys.stderr.fileno())
+    except (AttributeError, OSError, ValueError):  # a test's capture, a closed stream
+        tty = False
+    return tty and os.environ.get("TERM", "") != "dumb"
+
+
 class BarProgress(Progress):
-    """Rich progress bars on stderr, one per stage. When stderr is not a terminal (a CI log, a pipe) a bar would be
-    noise: a stage that took at least `LOG_AFTER` seconds writes one line when it ends instead."""
+    """Rich progress bars on stderr, one per stage. Where a bar cannot redraw itself (a CI log, a pipe, a dumb
+    terminal) it would be noise: a stage that took at least `LOG_AFTER` seconds writes one line when it ends instead.
+    An interrupt or an error ends the command with a bar still drawn: the CLI's main calls `stop_all` first, which
+    takes it off the screen and shows the cursor again, before it prints why the command stopped."""
 
     LOG_AFTER = 2.0
+    _live: ClassVar[set[BarProgress]] = set()
 
     def __init__(self) -> None:
         self._bar: RichBar | None = None
@@ -115,13 +129,21 @@ class BarProgress(Progress):
     def stage(self, description: str, total: int) -> None:
         _raise_if_terminated()
         self.close()
-        if not stderr.is_terminal:
+        if not stderr_animates():
             self._stage, self._done = (description, total, time.perf_counter()), 0
             return
         self._bar = RichBar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                             TimeElapsedColumn(), console=stderr, transient=True)
         self._bar.start()
+        BarProgress._live.add(self)
         self._task = self._bar.add_task(description, total=total)
+
+    @classmethod
+    def stop_all(cls) -> None:
+        """Stop every bar still drawn, without the log line of an unfinished stage (a command that stopped early)."""
+        for progress in list(cls._live):
+            progress._stage = None
+            progress.close()
 
     def advance(self, steps: int = 1) -> None:
         _raise_if_terminated()
@@ -131,6 +153,7 @@ class BarProgress(Progress):
 
     def close(self) -> None:
         if self._bar is not None:
+            BarProgress._live.discard(self)
             self._bar.stop()
             self._bar = None
         if self._stage is not None:

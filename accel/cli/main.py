@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import sys
 
@@ -22,7 +24,7 @@ from accel.cli import (
     quantize,
     verify,
 )
-from accel.cli.common import SIGTERM_SEEN, OutputClosed, Terminated, emit_json, stderr
+from accel.cli.common import SIGTERM_SEEN, BarProgress, OutputClosed, Terminated, emit_json, stderr
 from accel.errors import AccelError, CheckFailed
 
 app = typer.Typer(
@@ -72,25 +74,46 @@ _EXIT, _ABORT, _USAGE = _click_classes("Exit"), _click_classes("Abort"), _click_
 
 def main(argv: list[str] | None = None) -> int:
     SIGTERM_SEEN["seen"] = False
-    code = _dispatch(sys.argv[1:] if argv is None else argv)
-    if SIGTERM_SEEN["seen"]:  # typer turns the interrupt into a plain return of 130
-        stderr.print("terminated")
-        return 143
-    return code
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        code = _dispatch(argv)
+        if SIGTERM_SEEN["seen"] and code != 143:  # SIGTERM where nothing turned it into an interrupt
+            stderr.print("terminated")
+            return 143
+        return code
+    except OutputClosed:  # stdout went away while an error was being reported on it
+        _discard_stdout()
+        return 128 + signal.SIGPIPE
+    except OSError as exc:  # stdout refused the error report itself (a full disk, /dev/full): stderr alone
+        stderr.print(f"[bold red]error:[/] {escape(_os_message(exc))}", soft_wrap=True, markup=True)
+        return 2
 
 
 def _dispatch(argv: list[str]) -> int:
     want_json = "--json" in argv
+
+    def fail(message: str, code: int = 2, prefix: str = "error: ") -> int:
+        if want_json:
+            emit_json({"ok": False, "error": message})
+        stderr.print(f"[bold red]{escape(prefix)}[/]{escape(message)}", soft_wrap=True, markup=True)
+        return code
+
     try:
-        result = app(args=argv, prog_name="accel", standalone_mode=False)
+        try:
+            result = app(args=argv, prog_name="accel", standalone_mode=False)
+        finally:  # a bar left drawn by a command that stopped early would go on redrawing over what follows
+            BarProgress.stop_all()
+        if result == 130 or SIGTERM_SEEN["seen"]:  # typer turns Ctrl-C (and SIGTERM's Terminated) into a return
+            return _interrupted(want_json)                  # of 130, which no command returns otherwise
         return result if isinstance(result, int) else 0
     except _EXIT as exc:
         return getattr(exc, "exit_code", 0)
     except _ABORT:
-        stderr.print("aborted")
-        return 130
+        return fail("aborted", 130, prefix="")
     except _USAGE as exc:  # usage errors: bad option, missing argument
         message = exc.format_message()
+        if not message:  # no command given: click printed the help, which says it all
+            return 2
         if want_json:
             emit_json({"ok": False, "error": message})
         stderr.print(f"[bold red]error:[/] {escape(message)}{escape(_help_hint(exc))}", soft_wrap=True, markup=True)
@@ -99,26 +122,39 @@ def _dispatch(argv: list[str]) -> int:
         _discard_stdout()
         return 128 + signal.SIGPIPE
     except OSError as exc:  # the system refused a read or write (permissions, a full disk, a special file)
-        where = f": {exc.filename}" if exc.filename else ""
-        message = f"{exc.strerror or exc}{where}"
-        if want_json:
-            emit_json({"ok": False, "error": message})
-        stderr.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True, markup=True)
-        return 2
+        return fail(_os_message(exc))
     except AccelError as exc:
-        message = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
-        if want_json:
-            emit_json({"ok": False, "error": message})
-        stderr.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True, markup=True)
-        return 2
+        return fail(str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__)
     except CheckFailed as exc:
         if str(exc):
             stderr.print(f"[bold red]failed:[/] {escape(str(exc))}", soft_wrap=True, markup=True)
         return 1
-    except KeyboardInterrupt:  # SIGTERM included (main reports it)
-        if not SIGTERM_SEEN["seen"]:
-            stderr.print("interrupted")
-        return 130
+    except KeyboardInterrupt:  # raised outside typer's command call
+        return _interrupted(want_json)
+
+
+def _interrupted(want_json: bool) -> int:
+    """Ctrl-C: 130, SIGTERM: 143, each with one line on stderr (and the error object under --json)."""
+    terminated = SIGTERM_SEEN["seen"]
+    message = "terminated" if terminated else "interrupted"
+    if want_json:
+        emit_json({"ok": False, "error": message})
+    stderr.print(message)
+    return 143 if terminated else 130
+
+
+def _os_message(exc: OSError) -> str:
+    """An OSError as one line: its reason and the file it names. shutil.copytree's Error carries a list of
+    (source, destination, reason) for every file it failed on: the first, and how many more."""
+    if isinstance(exc, shutil.Error) and exc.args and isinstance(exc.args[0], list) and exc.args[0]:
+        failures = exc.args[0]
+        first = failures[0]
+        more = f" (and {len(failures) - 1} more files)" if len(failures) > 1 else ""
+        if isinstance(first, tuple) and len(first) == 3:  # the reason is str() of an OSError: "[Errno 28] ...: ..."
+            reason = re.match(r"(?:\[Errno \d+\] )?([^:]*)", str(first[2])).group(1) or str(first[2])
+            return f"{reason}: {first[1]}{more}"
+    where = f": {exc.filename}" if exc.filename else ""
+    return f"{exc.strerror or exc}{where}"
 
 
 def _help_hint(exc: BaseException) -> str:
@@ -148,5 +184,10 @@ def run() -> None:
     # transformers' notes (pure-PyTorch fallbacks for GDN/KDA kernels, deprecations) are not the user's concern
     # here; TRANSFORMERS_VERBOSITY=warning brings them back
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    # a stream whose encoding lacks a character the output uses (ΔNLL under PYTHONIOENCODING=latin-1) gets '?' in
+    # its place rather than a UnicodeEncodeError in the middle of a report
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="replace")
     signal.signal(signal.SIGTERM, _on_sigterm)
     sys.exit(main())

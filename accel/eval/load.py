@@ -88,21 +88,35 @@ def load_causal_lm(spec: str | Path, progress: Progress = SILENT, kernels: bool 
             from accel.kernels.loading import build_kernel_model
 
             model = build_kernel_model(art, config, progress)
+            progress.stage("loading the tokenizer", 1)
         else:
-            model = build_transformers_model(config, load_decoded_tensors(art, progress))
+            tensors = load_decoded_tensors(art, progress)
+            progress.stage("building the model", 2)  # seconds of silence otherwise (transformers, the tokenizer)
+            model = build_transformers_model(config, tensors)
+            del tensors
+            progress.advance()
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(spec))
         except (OSError, ValueError) as exc:
             raise AccelError(f"{spec}: cannot load its tokenizer ({str(exc).splitlines()[0]})") from None
+        progress.advance()
+        progress.close()
         return LoadedModel(model, tokenizer, config, "accel", maps, path=Path(spec).absolute())
+    progress.stage(f"opening {Path(str(spec)).name}", 1)  # a GGUF file's header and tensor table take seconds
     with open_model(spec) as source:
+        progress.advance()
         names = source.tensor_names()
         progress.stage("loading weights", len(names))
         tensors = {}
         for name in names:
             tensors[name] = source.load_tensor(name)
             progress.advance()
-        progress.close()
+        progress.stage("building the model", 2)
         model = build_transformers_model(source.config, tensors)
-        return LoadedModel(model, source.load_tokenizer(), dict(source.config), "source",
+        del tensors
+        progress.advance()
+        tokenizer = source.load_tokenizer()
+        progress.advance()
+        progress.close()
+        return LoadedModel(model, tokenizer, dict(source.config), "source",
                            input_files=list(source.input_files), path=source.path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
@@ -81,6 +82,17 @@ def check_output_dir(out: Path, force: bool, inputs: list[Path] = ()) -> None:
         raise AccelError(f"cannot write in {out.parent}: {e.strerror or e}") from None
 
 
+def path_for_report(path: Path | str) -> str:
+    """A path as a report gives it back, so that a script can pass it on to the next command: pathlib drops the
+    "./" of "./-out", which a command line would then take for an option."""
+    text = str(path)
+    return f"./{text}" if text.startswith("-") else text
+
+
+# errors only a write raises (a full disk, a quota, a file size limit)
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
 @contextlib.contextmanager
 def output_dir(out: Path, force: bool = False, inputs: list[Path] = ()) -> Iterator[Path]:
     """Yield a fresh temporary directory that becomes `out` only when the block succeeds."""
@@ -101,10 +113,18 @@ def output_dir(out: Path, force: bool = False, inputs: list[Path] = ()) -> Itera
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             os.replace(out, old)
             os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
+            if old.is_symlink() or not old.is_dir():  # --force over a link replaces the link, not what it names
+                old.unlink()
+            else:
+                shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, out)
         fsync_dir(out.parent)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.filename is None and e.errno in _WRITE_ERRNOS:  # a write to an open file names none: say where
+            raise OSError(e.errno, e.strerror, str(out)) from None
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

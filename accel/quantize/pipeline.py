@@ -17,7 +17,7 @@ from accel.calibrate import CALIB_MANIFEST
 from accel.errors import AccelError
 from accel.formats import jsontext
 from accel.formats.artifact import MANIFEST_FILE, Artifact, sidecar_files_sha256, write_weights
-from accel.formats.atomic import atomic_write_text, check_output_dir, output_dir
+from accel.formats.atomic import atomic_write_text, check_output_dir, output_dir, path_for_report
 from accel.formats.container import FORMAT_VERSION
 from accel.formats.filehash import file_sha256
 from accel.formats.layouts import get_layout
@@ -181,10 +181,15 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
         hessians = HessianStore(Path(settings.calib))
     weight_settings = WeightSettings(group=settings.group, layout=settings.layout, seed=settings.seed,
                                      hessians=hessians)
+    progress.stage(f"reading {Path(str(model)).name}", 3)  # seconds of silence otherwise (a GGUF, its tokenizer)
     with open_model(model) as source:
+        progress.advance()
         inputs = sorted({Path(p) for p in source.input_files})
         check_source_loads(model, source)
+        progress.advance()
         warnings = tokenizer_warnings(source)
+        progress.advance()
+        progress.close()
         maps = _build_maps(model, dict(source.config), settings, progress)  # names a shape mismatch first
         hashes = model_files_sha256(inputs)
         if settings.calib is not None:
@@ -250,7 +255,7 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
             bpw = art.bits_per_weight("quantized")
             art.close()
     return {
-        "out": str(out),
+        "out": path_for_report(out),
         "weights": settings.weights,
         "bits_per_weight": bpw,
         "seconds": time.perf_counter() - started,

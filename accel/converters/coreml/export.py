@@ -686,7 +686,7 @@ def export_ane(model: str | Path, out: Path, settings: ExportSettings, force: bo
     """Export MODEL (HF dir, GGUF, alias or accel OUT_DIR) as a multifunction ANE package at `out`."""
     from accel.converters.coreml import placement
     from accel.converters.materialize import loading_problem
-    from accel.formats.atomic import check_output_dir, output_dir
+    from accel.formats.atomic import check_output_dir, output_dir, path_for_report
 
     started = time.perf_counter()
     settings.check()
@@ -768,7 +768,7 @@ def export_ane(model: str | Path, out: Path, settings: ExportSettings, force: bo
     size = package_size(out)
     params = dims.param_count()
     return {
-        "package": str(out),
+        "package": path_for_report(out),
         "encoding": settings.encoding,
         "context": settings.context,
         "functions": functions,
