@@ -240,3 +240,14 @@ def test_mutated_captures_are_reported_or_refused_in_one_line(capsys, package, t
         assert code in (0, 2) and "Traceback" not in err, (at, err)
         if code == 2:
             assert len([line for line in err.strip().splitlines() if line.strip()]) == 1, (at, err)
+
+
+def test_the_cli_gives_its_warnings_on_stderr_as_every_command_does(package, capsys):
+    """`probe report` printed them on stdout as 'note:' (and not at all under --json)."""
+    from accel.cli.main import main
+
+    for extra in ([], ["--json"]):
+        assert main(["probe", "report", str(FIXTURES / "capture_power_only.json"), "--package", str(package),
+                     *extra]) == 0
+        out, err = capsys.readouterr()
+        assert "warning: " in err and "IOReport unavailable" in err and "IOReport unavailable" not in out.split("{")[0]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from accel.cli.common import JSON_OPTION, emit_json, stdout
+from accel.cli.common import JSON_OPTION, emit_json, print_warnings, stdout
 
 app = typer.Typer(help="Read ANE probe captures recorded on a Mac.", no_args_is_help=True)
 
@@ -25,6 +25,7 @@ def report(
     from accel.converters.coreml.probe.report import probe_report
 
     result = probe_report(capture, package)
+    print_warnings(result["warnings"])  # on stderr, as every command gives its warnings
     if json_out:
         emit_json(result)
         return
@@ -40,5 +41,3 @@ def report(
                  f" block ops {_fmt(res.get('block_ops'), '.1%')},"
                  f" rules agree on {_fmt(res.get('prediction_agreement'), '.1%')} of matched ops")
     stdout.print(f"ms per token: {result['ms_per_token']:.2f} median, {result['ms_per_token_mean']:.2f} mean")
-    for line in result["warnings"]:
-        stdout.print(f"note: {line}", soft_wrap=True, markup=False)
