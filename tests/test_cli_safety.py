@@ -514,3 +514,26 @@ def test_an_encoding_without_the_output_characters_is_not_a_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "-c", "from accel.cli.main import run; run()", "eval", "-h"],
                           capture_output=True, env=env, check=False)
     assert proc.returncode == 0 and b"Traceback" not in proc.stderr and b"?NLL" in proc.stdout
+
+
+def test_outputs_get_ordinary_permissions_all_the_way_down(tmp_path):
+    """coremltools wrote a package's model.mlmodel 0600 and weights/ 0700: unreadable to the other users of a
+    shared machine, where every other output file is 0644 (umask 022)."""
+    import os
+
+    from accel.formats.atomic import output_dir
+
+    old = os.umask(0o022)
+    try:
+        with output_dir(tmp_path / "out") as tmp:
+            (tmp / "Data" / "weights").mkdir(parents=True)
+            os.chmod(tmp / "Data" / "weights", 0o700)
+            fd = os.open(tmp / "Data" / "model.mlmodel", os.O_WRONLY | os.O_CREAT, 0o600)
+            os.close(fd)
+            fd = os.open(tmp / "Data" / "run.sh", os.O_WRONLY | os.O_CREAT, 0o700)
+            os.close(fd)
+    finally:
+        os.umask(old)
+    modes = {p.relative_to(tmp_path / "out").as_posix(): p.stat().st_mode & 0o777
+             for p in (tmp_path / "out").rglob("*")}
+    assert modes == {"Data": 0o755, "Data/weights": 0o755, "Data/model.mlmodel": 0o644, "Data/run.sh": 0o755}

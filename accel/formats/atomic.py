@@ -89,6 +89,25 @@ def path_for_report(path: Path | str) -> str:
     return f"./{text}" if text.startswith("-") else text
 
 
+def _settle(tmp: Path) -> None:
+    """Every file under the finished output on disk (fsync), with ordinary permissions: what the block wrote through
+    other libraries keeps their modes otherwise (coremltools writes a package's model.mlmodel 0600 and its weights/
+    0700, which other users of a shared machine then cannot read)."""
+    mask = _umask()
+    for root, dirs, files in os.walk(tmp):
+        for name in dirs:
+            if not os.path.islink(os.path.join(root, name)):
+                os.chmod(os.path.join(root, name), 0o777 & ~mask)
+        for name in files:
+            path = os.path.join(root, name)
+            if os.path.islink(path):
+                continue
+            executable = os.stat(path).st_mode & 0o100
+            os.chmod(path, (0o777 if executable else 0o666) & ~mask)
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+
+
 # errors only a write raises (a full disk, a quota, a file size limit)
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
@@ -105,10 +124,7 @@ def output_dir(out: Path, force: bool = False, inputs: list[Path] = ()) -> Itera
     os.chmod(tmp, 0o777 & ~_umask())
     try:
         yield tmp
-        for child in tmp.iterdir():
-            if child.is_file():
-                with open(child, "rb") as f:
-                    os.fsync(f.fileno())
+        _settle(tmp)
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             os.replace(out, old)
