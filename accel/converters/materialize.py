@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from accel.converters.checkpoint_names import to_model_shapes, to_model_tensors
 from accel.converters.sources import one_line
 from accel.errors import AccelError
 
@@ -89,7 +90,12 @@ def _parameter_groups(model: torch.nn.Module) -> dict[int, list[str]]:
 def tensor_problems(model: torch.nn.Module, shapes: Mapping[str, tuple[int, ...]], model_type: str) -> list[str]:
     """What `build_transformers_model` refuses in tensors of these shapes (name -> shape), one line per kind:
     a name the model does not have, a parameter none of whose names is given, a shape the model does not expect.
-    `model` may live on the meta device (empty_model), so `accel verify` checks an OUT_DIR without its weights."""
+    `model` may live on the meta device (empty_model), so `accel verify` checks an OUT_DIR without its weights.
+    `shapes` may carry a checkpoint's names (accel.converters.checkpoint_names): they are converted first."""
+    try:
+        shapes = to_model_shapes(model_type, shapes)
+    except AccelError as exc:
+        return [str(exc)]
     groups = _parameter_groups(model)
     param_names = {name for names in groups.values() for name in names}
     expected = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
@@ -136,7 +142,7 @@ def build_transformers_model(
     have requires_grad False.
     """
     model = empty_model(config, attn_implementation)
-
+    tensors = to_model_tensors(config["model_type"], tensors)  # a checkpoint's per-expert tensors merged, ...
     problems = tensor_problems(model, {n: tuple(t.shape) for n, t in tensors.items()}, config["model_type"])
     if problems:
         raise AccelError(problems[0])

@@ -45,16 +45,20 @@ def build_kernel_model(art: Artifact, config: dict[str, Any], progress: Progress
     import torch
 
     from accel.converters import build_transformers_model
+    from accel.converters.checkpoint_names import name_map
     from accel.kernels.quant_linear import QuantLinear
     from accel.kernels.weights import Unsupported, kernel_weight
 
     tensors: dict[str, Any] = {}
     kernels = {}
+    # the model's name of each stored tensor: a checkpoint's per-expert tensors have none (they are merged into one
+    # experts parameter, which no nn.Linear multiplies by), so they are decoded; renamed ones keep their kernels
+    model_names = name_map(str(config.get("model_type")), art.model_shapes())
     progress.stage("loading weights (kernels)", len(art.names))
     for name in art.names:
         entry = art.entry(name)
         coded = entry.role == "quantized" or (entry.role == "kept" and entry.codec != "raw")
-        if coded and name.endswith(".weight") and len(entry.shape) == 2:
+        if coded and name.endswith(".weight") and len(entry.shape) == 2 and model_names.model_name(name):
             parts = stored_parts(art, name)
             try:
                 kernels[name] = kernel_weight(entry, parts)
@@ -72,7 +76,8 @@ def build_kernel_model(art: Artifact, config: dict[str, Any], progress: Progress
     head = _tied_head_source(art, config)
     if head in kernels:  # a tied LM head reads the embeddings' stored codes; the lookup gets dense rows below
         model.lm_head = QuantLinear(kernels[head], None)
-    for name, weight in kernels.items():
+    for stored_name, weight in kernels.items():
+        name = model_names.model_name(stored_name) or stored_name
         path = name[: -len(".weight")]
         parent_name, _, child = path.rpartition(".")
         module = model.get_submodule(path)
@@ -82,5 +87,5 @@ def build_kernel_model(art: Artifact, config: dict[str, Any], progress: Progress
         else:  # not a plain linear layer: give it the dense weight
             module_param = model.get_parameter(name)
             with torch.no_grad():
-                module_param.copy_(torch.from_numpy(np.ascontiguousarray(art.decode(name), dtype=np.float32)))
+                module_param.copy_(torch.from_numpy(np.ascontiguousarray(art.decode(stored_name), dtype=np.float32)))
     return model.eval()

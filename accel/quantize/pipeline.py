@@ -14,6 +14,7 @@ import numpy as np
 
 from accel import __version__
 from accel.calibrate import CALIB_MANIFEST
+from accel.converters.checkpoint_names import NameMap, name_map
 from accel.errors import AccelError
 from accel.formats import jsontext
 from accel.formats.artifact import MANIFEST_FILE, Artifact, sidecar_files_sha256, write_weights
@@ -132,6 +133,17 @@ def keep_tensor(source, name: str, x: np.ndarray):
     return encode_tensor(name, x, "raw", role="kept", dtype=source.tensor_dtype(name))
 
 
+def _hessian_name(name: str, model_names: NameMap, settings: QuantizeSettings) -> str:
+    """The name calibration recorded a checkpoint tensor's Hessian under: its nn.Linear's, in the model's names."""
+    model_name = model_names.model_name(name)
+    if model_name is None:
+        raise AccelError(f"--weights {settings.weights} needs the inputs of '{name}', a part of a merged parameter "
+                         f"(a mixture-of-experts layer's experts, which transformers runs as one fused tensor and "
+                         f"not as nn.Linear layers): calibration has none; use a method without calibration (rtn, "
+                         f"hqq) for this model")
+    return model_name
+
+
 def check_source_loads(model: str, source: Any) -> None:
     """Refuse, before any work, a source whose config and tensors eval could not build a model from: its output
     would hold the same config and tensors, and eval would refuse it after the whole quantization (the same check as
@@ -196,6 +208,12 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
             check_calibration_model(Path(settings.calib), hashes)
         with output_dir(Path(out), force, inputs=inputs + [Path(model), source.path] + calib) as tmp:
             names = source.tensor_names()
+            model_names = name_map(str(source.config.get("model_type")), source.tensor_shapes())
+            if hessians is not None:  # every quantized tensor has its inputs' name, before any work
+                shapes = source.tensor_shapes()
+                for name in names:
+                    if is_quantizable(name, shapes[name]):
+                        _hessian_name(name, model_names, settings)
             progress.stage(f"quantizing ({settings.weights or 'weights kept'})", len(names))
             results: dict[str, Any] = {}
             with worker_pool(jobs if method is not None and method.parallel else 1) as pool:
@@ -208,7 +226,8 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
                         progress.advance()
                         continue
                     own = replace(weight_settings, hessians=None if hessians is None else
-                                  FixedHessian(name, hessians.get(name, x.shape[1])))
+                                  FixedHessian(name, hessians.get(_hessian_name(name, model_names, settings),
+                                                                  x.shape[1])))
                     if pool is None:
                         results[name] = encode_one(settings.weights, name, x, own)
                         progress.advance()

@@ -1,0 +1,152 @@
+"""Checkpoints in their published names: per-expert tensors merged and Kimi-Linear's renames, as transformers'
+own from_pretrained applies them, and everything accel does on such a checkpoint."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_tiny_llama
+from test_cli import assert_one_line_error, run
+
+from accel.converters.checkpoint_names import name_map, to_model_shapes
+from accel.errors import AccelError
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory) -> Path:
+    """A tiny Mixtral saved by transformers: its file has the published per-expert names (block_sparse_moe.experts.
+    <i>.w1/w2/w3), which the model it builds has not (mlp.experts.gate_up_proj / down_proj)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    out = tmp_path_factory.mktemp("models") / "mixtral"
+    tokenizer_source = make_tiny_llama(tmp_path_factory.mktemp("models") / "tok")
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=320, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                           max_position_embeddings=256, tie_word_embeddings=False)
+    MixtralForCausalLM(config).save_pretrained(out)
+    for f in tokenizer_source.glob("tokenizer*"):
+        shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def kimi_published(tmp_path_factory) -> Path:
+    """The tiny-kda fixture as transformers saves it: Kimi-Linear's published names (self_attn.f_a_proj, q/k/v_conv1d
+    apart, block_sparse_moe.*), where accel's fixture holds the model's own."""
+    from accel.converters.aliases import resolve_alias
+    from accel.eval.load import load_causal_lm
+
+    out = tmp_path_factory.mktemp("models") / "kimi"
+    load_causal_lm("tiny-kda").model.save_pretrained(out)
+    for f in Path(resolve_alias("tiny-kda")).glob("tokenizer*"):
+        shutil.copy(f, out / f.name)
+    return out
+
+
+def _names(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), "np") as f:
+        return list(f.keys())
+
+
+def test_mixtral_builds_as_transformers_loads_it(mixtral):
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM
+
+    from accel.converters import build_transformers_model
+
+    assert any(".experts.3.w2.weight" in n for n in _names(mixtral))
+    config = json.loads((mixtral / "config.json").read_text())
+    ours = build_transformers_model(config, load_file(str(mixtral / "model.safetensors")))
+    theirs = AutoModelForCausalLM.from_pretrained(mixtral, dtype=torch.float32).eval()
+    ids = torch.randint(0, 320, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, theirs(ids).logits)
+
+
+def test_the_name_map(mixtral):
+    shapes = {}
+    from safetensors import safe_open
+
+    with safe_open(str(mixtral / "model.safetensors"), "np") as f:
+        shapes = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}  # noqa: SIM118
+    names = name_map("mixtral", shapes)
+    merged = names.merged["model.layers.1.mlp.experts.gate_up_proj"][1]
+    assert merged == [[f"model.layers.1.block_sparse_moe.experts.{i}.w{k}.weight" for i in range(4)] for k in (1, 3)]
+    assert names.model_name("model.layers.0.block_sparse_moe.gate.weight") == "model.layers.0.mlp.gate.weight"
+    assert names.model_name("model.layers.0.block_sparse_moe.experts.0.w1.weight") is None
+    model_shapes = to_model_shapes("mixtral", shapes)
+    assert model_shapes["model.layers.0.mlp.experts.gate_up_proj"] == (4, 128, 48)
+    assert model_shapes["model.layers.0.mlp.experts.down_proj"] == (4, 48, 64)
+    assert to_model_shapes("mixtral", model_shapes) == model_shapes  # the model's own names pass unchanged
+    assert to_model_shapes("llama", shapes) == shapes  # no mapping for the type: nothing changes
+
+    gap = {n: s for n, s in shapes.items() if ".experts.2." not in n}
+    with pytest.raises(AccelError, match="numbered"):
+        name_map("mixtral", gap)
+    no_up = {n: s for n, s in shapes.items() if not n.endswith(".w3.weight")}
+    with pytest.raises(AccelError, match="missing tensors"):
+        name_map("mixtral", no_up)
+
+
+def test_a_mixtral_checkpoint_through_the_cli(capsys, mixtral, tmp_path, text_file):
+    """It was refused ('unexpected tensor ... experts.0.w1.weight'): quantize, verify, eval with and without the
+    kernels (the experts decoded into the merged parameter, the other layers on QuantLinear), generate."""
+    out = tmp_path / "q"
+    code, stdout, err = run(capsys, "quantize", mixtral, "--weights", "rtn4", "--out", out, "--json")
+    assert code == 0, err
+    from accel.formats.artifact import Artifact
+
+    art = Artifact(out)
+    assert sorted(art.model_shapes()) == sorted(_names(mixtral))  # the output keeps the checkpoint's names
+    art.close()
+    code, stdout, _ = run(capsys, "verify", out, "--reference", mixtral, "--json")
+    assert code == 0 and json.loads(stdout)["max_rel_error"] < 0.2
+    args = ["--data", text_file, "--windows", "2", "--seq-len", "48", "--json"]
+    code, stdout, err = run(capsys, "eval", out, "--reference", mixtral, *args)
+    assert code == 0, err
+    dense = json.loads(stdout)
+    assert abs(dense["delta_nll"]) < 0.05
+    code, stdout, err = run(capsys, "eval", out, "--kernels", *args)
+    assert code == 0, err
+    assert json.loads(stdout)["nll"] == pytest.approx(dense["nll"], rel=1e-5)
+    assert run(capsys, "generate", out, "--prompt", "The for", "--tokens", "4", "--kernels")[0] == 0
+
+
+def test_calibrated_methods_refuse_experts_before_any_work(capsys, mixtral, tmp_path, text_file):
+    calib = tmp_path / "cal"
+    assert run(capsys, "calibrate", mixtral, "--for", "weights", "--data", text_file, "--out", calib,
+               "--samples", "2", "--seq-len", "32")[0] == 0
+    code, _, err = run(capsys, "quantize", mixtral, "--weights", "gptq4", "--calib", calib, "--out", tmp_path / "g")
+    assert_one_line_error(code, err, 2, "experts.0.w1.weight', a part of a merged parameter")
+    assert not (tmp_path / "g").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["cal"]
+
+
+def test_kimi_linear_in_its_published_names(capsys, kimi_published, tmp_path, text_file):
+    """Renamed (forget_gate.*), joined (conv1d from q/k/v_conv1d) and its MLPs under block_sparse_moe: the same
+    model as accel's fixture, and a calibration's Hessians found by the model's names for gptq."""
+    names = _names(kimi_published)
+    assert "model.layers.0.self_attn.f_a_proj.weight" in names and "model.layers.0.self_attn.q_conv1d.weight" in names
+    args = ["--data", text_file, "--windows", "2", "--seq-len", "48", "--json"]
+    code, stdout, err = run(capsys, "eval", kimi_published, "--reference", "tiny-kda", *args)
+    assert code == 0, err
+    assert json.loads(stdout)["delta_nll"] == 0.0
+    calib = tmp_path / "cal"
+    assert run(capsys, "calibrate", kimi_published, "--for", "weights", "--data", text_file, "--out", calib,
+               "--samples", "2", "--seq-len", "32")[0] == 0
+    out = tmp_path / "g"
+    code, _, err = run(capsys, "quantize", kimi_published, "--weights", "gptq4", "--calib", calib, "--out", out)
+    assert code == 0, err
+    code, stdout, err = run(capsys, "eval", out, *args)
+    dense = json.loads(stdout)
+    code, stdout, err = run(capsys, "eval", out, "--kernels", *args)
+    assert code == 0, err
+    assert json.loads(stdout)["nll"] == pytest.approx(dense["nll"], rel=1e-5)
+    assert np.isfinite(dense["nll"])
