@@ -150,3 +150,64 @@ def test_kimi_linear_in_its_published_names(capsys, kimi_published, tmp_path, te
     assert code == 0, err
     assert json.loads(stdout)["nll"] == pytest.approx(dense["nll"], rel=1e-5)
     assert np.isfinite(dense["nll"])
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory) -> Path:
+    """A tiny Qwen3-Next (Gated DeltaNet with joint qkvz / ba projections, mixture-of-experts MLPs) as transformers
+    saves it: per-expert tensors."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    out = tmp_path_factory.mktemp("models") / "qwen3-next"
+    tokenizer_source = make_tiny_llama(tmp_path_factory.mktemp("models") / "tok")
+    torch.manual_seed(0)
+    config = Qwen3NextConfig(vocab_size=320, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                             shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                             linear_value_head_dim=16, max_position_embeddings=256, full_attention_interval=4,
+                             tie_word_embeddings=False)
+    Qwen3NextForCausalLM(config).save_pretrained(out)
+    for f in tokenizer_source.glob("tokenizer*"):
+        shutil.copy(f, out / f.name)
+    return out
+
+
+def test_qwen3_next_decay_input_is_the_models_own_split(qwen3_next):
+    """DAMP's persistence reads the decay input a; Qwen3-Next computes it from a joint b/a projection."""
+    from accel.calibrate.state import decay_input_of_ba
+    from accel.eval.load import load_causal_lm
+
+    mixer = load_causal_lm(qwen3_next).model.model.layers[0].linear_attn
+    hidden = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        qkvz, ba = mixer.in_proj_qkvz(hidden), mixer.in_proj_ba(hidden)
+        *_, a = mixer.fix_query_key_value_ordering(qkvz, ba)
+        assert torch.equal(decay_input_of_ba(mixer, ba), a)
+
+
+def test_a_qwen3_next_checkpoint_through_damp(capsys, qwen3_next, tmp_path, text_file):
+    """calibrate --for state found no Gated DeltaNet module (it looked for Qwen3.5's in_proj_a), and the checkpoint's
+    experts were refused before that."""
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM
+
+    from accel.converters import build_transformers_model
+
+    config = json.loads((qwen3_next / "config.json").read_text())
+    ours = build_transformers_model(config, load_file(str(qwen3_next / "model.safetensors")))
+    theirs = AutoModelForCausalLM.from_pretrained(qwen3_next, dtype=torch.float32).eval()
+    ids = torch.randint(0, 320, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, theirs(ids).logits)
+    calib, out = tmp_path / "cal", tmp_path / "q"
+    assert run(capsys, "calibrate", qwen3_next, "--for", "state", "--data", text_file, "--out", calib,
+               "--samples", "2", "--seq-len", "32")[0] == 0
+    code, _, err = run(capsys, "quantize", qwen3_next, "--weights", "rtn4", "--state", "damp", "--calib", calib,
+                       "--out", out)
+    assert code == 0, err
+    code, stdout, err = run(capsys, "eval", out, "--reference", qwen3_next, "--data", text_file, "--windows", "2",
+                            "--seq-len", "32", "--json")
+    assert code == 0, err
+    report = json.loads(stdout)
+    assert 9 < report["state_bits_per_value"] < 10 and abs(report["delta_nll"]) < 0.05

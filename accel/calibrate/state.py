@@ -63,8 +63,8 @@ def _gate_modules(model: torch.nn.Module, shape: StateShape) -> dict[int, torch.
         layer = layers[li]
         if shape.arch == "gdn":
             mixer = getattr(layer, "linear_attn", None)
-            if mixer is None or not hasattr(mixer, "in_proj_a"):
-                raise AccelError(f"layer {li}: no Gated DeltaNet module (linear_attn.in_proj_a) found")
+            if mixer is None or not (hasattr(mixer, "in_proj_a") or hasattr(mixer, "in_proj_ba")):
+                raise AccelError(f"layer {li}: no Gated DeltaNet module (linear_attn.in_proj_a or in_proj_ba) found")
             out[li] = mixer
         else:
             mixer = getattr(layer, "self_attn", None)
@@ -72,6 +72,13 @@ def _gate_modules(model: torch.nn.Module, shape: StateShape) -> dict[int, torch.
                 raise AccelError(f"layer {li}: no Kimi Delta Attention module (self_attn.forget_gate) found")
             out[li] = mixer
     return out
+
+
+def decay_input_of_ba(mixer: torch.nn.Module, ba: torch.Tensor) -> torch.Tensor:
+    """`a` ([..., value heads]) out of Qwen3-Next's joint b/a projection, which holds [b | a] for each key head's
+    group of value heads (as its `fix_query_key_value_ordering` splits it)."""
+    nk, nv = mixer.num_k_heads, mixer.num_v_heads
+    return ba.view(*ba.shape[:-1], nk, 2 * (nv // nk))[..., nv // nk:].reshape(*ba.shape[:-1], nv)
 
 
 @torch.inference_mode()
@@ -107,7 +114,12 @@ def collect_state_stats(model: torch.nn.Module, windows: np.ndarray, segment: in
             def hook(_mod, _args, a):
                 g = -mixer.A_log.float().exp() * torch.nn.functional.softplus(a.float() + mixer.dt_bias.float())
                 add_gates(layer_idx, g.double()[..., None])  # [B, T, H, 1]: one gate per head
-            return mixer.in_proj_a.register_forward_hook(hook)
+            if hasattr(mixer, "in_proj_a"):  # Qwen3.5: a projection of its own
+                return mixer.in_proj_a.register_forward_hook(hook)
+
+            def hook_ba(module, args, ba):  # Qwen3-Next: b and a in one projection
+                hook(module, args, decay_input_of_ba(mixer, ba))
+            return mixer.in_proj_ba.register_forward_hook(hook_ba)
 
         def hook(_mod, _args, g):
             add_gates(layer_idx, g.double())  # [B, T, H, d_k]
