@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_tiny_llama
-from test_cli import assert_one_line_error, run
+from test_cli import run
 
 from accel.converters.checkpoint_names import name_map, to_model_shapes
 from accel.errors import AccelError
@@ -120,13 +120,78 @@ def test_a_mixtral_checkpoint_through_the_cli(capsys, mixtral, tmp_path, text_fi
     assert run(capsys, "generate", out, "--prompt", "The for", "--tokens", "4", "--kernels")[0] == 0
 
 
-def test_calibrated_methods_refuse_experts_before_any_work(capsys, mixtral, tmp_path, text_file):
+def test_each_expert_gets_the_hessian_of_the_tokens_routed_to_it(mixtral):
+    """Experts are slices of one fused parameter that transformers multiplies by with F.linear, per routed token
+    group: calibration records xᵀx of exactly those tokens for gate/up, and of act(gate)·up for down."""
+    from accel.calibrate.hessians import collect_hessians, expert_key
+    from accel.eval.load import load_causal_lm
+
+    model = load_causal_lm(mixtral).model
+    window = np.random.default_rng(0).integers(0, 320, (1, 40))
+    experts = model.model.layers[1].mlp.experts
+    seen = {}
+
+    def grab(_module, args):
+        seen["hidden"], seen["routes"] = args[0].detach().clone(), args[1].detach().clone()
+
+    handle = experts.register_forward_pre_hook(grab)
+    try:
+        hessians, key_of = collect_hessians(model, window)
+    finally:
+        handle.remove()
+    hidden, routes = seen["hidden"].double(), seen["routes"]
+    checked = 0
+    for e in range(4):
+        rows = (routes == e).any(dim=-1)
+        key = expert_key("model.layers.1.mlp.experts.gate_up_proj", e)
+        if not rows.any():
+            assert key not in key_of
+            continue
+        x = hidden[rows]
+        ref = (x.T @ x).numpy() / 40  # float64; the recording multiplies in float32 as for every layer
+        np.testing.assert_allclose(hessians[key_of[key]], ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
+        gate, up = (x @ experts.gate_up_proj[e].double().T).chunk(2, dim=-1)
+        mid = torch.nn.functional.silu(gate) * up
+        down = hessians[key_of[expert_key("model.layers.1.mlp.experts.down_proj", e)]]
+        ref = (mid.T @ mid).numpy() / 40
+        np.testing.assert_allclose(down, ref, rtol=1e-4, atol=1e-6 * np.abs(ref).max())
+        checked += 1
+    assert checked >= 2
+    assert torch.nn.functional.linear is torch._C._nn.linear  # the wrapper is gone
+
+
+def test_gptq_and_leech_on_a_mixture_of_experts(capsys, mixtral, tmp_path, text_file):
+    """They were refused: calibration recorded nn.Linear inputs only. Routers stay in source precision."""
     calib = tmp_path / "cal"
     assert run(capsys, "calibrate", mixtral, "--for", "weights", "--data", text_file, "--out", calib,
-               "--samples", "2", "--seq-len", "32")[0] == 0
-    code, _, err = run(capsys, "quantize", mixtral, "--weights", "gptq4", "--calib", calib, "--out", tmp_path / "g")
-    assert_one_line_error(code, err, 2, "experts.0.w1.weight', a part of a merged parameter")
-    assert not (tmp_path / "g").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["cal"]
+               "--samples", "4", "--seq-len", "64")[0] == 0
+    args = ["--data", text_file, "--windows", "2", "--seq-len", "48", "--reference", mixtral, "--json"]
+    for weights in ("gptq4", "leech2"):
+        out = tmp_path / weights
+        code, stdout, err = run(capsys, "quantize", mixtral, "--weights", weights, "--calib", calib, "--out", out,
+                                "--json")
+        assert code == 0, err
+        code, stdout, err = run(capsys, "inspect", out, "--json")
+        tensors = {t["name"]: t for t in json.loads(stdout)["tensors"]}
+        assert tensors["model.layers.0.block_sparse_moe.gate.weight"]["codec"] == "raw"
+        assert tensors["model.layers.0.block_sparse_moe.experts.3.w2.weight"]["codec"] != "raw"
+        code, stdout, err = run(capsys, "eval", out, *args)
+        assert code == 0 and abs(json.loads(stdout)["delta_nll"]) < 0.05, err
+
+
+def test_an_expert_without_calibration_inputs_is_named():
+    from accel.converters.checkpoint_names import name_map
+    from accel.quantize.pipeline import QuantizeSettings, _hessian_name
+
+    shapes = {f"model.layers.0.mlp.experts.{e}.{p}.weight": (8, 4) for e in range(2)
+              for p in ("gate_proj", "up_proj", "down_proj")}
+    names = name_map("qwen2_moe", shapes)
+    recorded = {"model.layers.0.mlp.experts.gate_up_proj.0": "k"}
+    assert _hessian_name("model.layers.0.mlp.experts.0.up_proj.weight", names, QuantizeSettings(weights="gptq4"),
+                         recorded) == "model.layers.0.mlp.experts.gate_up_proj.0"
+    with pytest.raises(AccelError, match=r"expert 1 of model.layers.0.mlp.experts.gate_up_proj\): no calibration"):
+        _hessian_name("model.layers.0.mlp.experts.1.gate_proj.weight", names, QuantizeSettings(weights="gptq4"),
+                      recorded)
 
 
 def test_kimi_linear_in_its_published_names(capsys, kimi_published, tmp_path, text_file):

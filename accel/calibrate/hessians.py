@@ -50,6 +50,7 @@ def collect_hessians(model: torch.nn.Module, windows: np.ndarray, progress: Prog
         return hook
 
     handles = [mod.register_forward_pre_hook(hook_for(name)) for name, mod in linears.items()]
+    handles += _expert_hooks(model, sums, key_of)
     body = getattr(model, model.base_model_prefix, model)  # the decoder alone: the LM head adds nothing here
     try:
         progress.stage("calibrating (Hessians)", len(windows))
@@ -63,6 +64,58 @@ def collect_hessians(model: torch.nn.Module, windows: np.ndarray, progress: Prog
             h.remove()
     tokens = windows.size
     return {k: v / tokens for k, v in sums.items()}, dict(sorted(key_of.items()))
+
+
+def expert_key(param_name: str, expert: int) -> str:
+    """The name an expert's slice of a fused experts parameter is recorded under: `<param>.<expert>`."""
+    return f"{param_name}.{expert}"
+
+
+def _expert_hooks(model: torch.nn.Module, sums: dict[str, np.ndarray], key_of: dict[str, str]) -> list[Any]:
+    """Hooks that record the inputs of each expert of a fused mixture-of-experts module (transformers 5 holds all
+    experts' projections in one 3-D parameter, [experts, out, in], and multiplies each routed token group by a slice
+    with F.linear). While such a module runs, F.linear is wrapped: a call whose weight is expert e's slice of one of
+    its 3-D parameters adds xᵀx to `<param>.<e>`. The module runs its eager loop for this (the grouped kernels would
+    not call F.linear). An expert no token reached has no Hessian; quantize says so."""
+    fused = {name: {p_name: p for p_name, p in mod.named_parameters(recurse=False) if p.ndim == 3}
+             for name, mod in model.named_modules()}
+    fused = {name: params for name, params in fused.items() if params}
+    if not fused:
+        return []
+    original = torch.nn.functional.linear
+
+    def recording(params: dict[str, torch.nn.Parameter], prefix: str):
+        def linear(x, weight, bias=None):
+            for p_name, p in params.items():
+                if weight.ndim == 2 and tuple(weight.shape) == tuple(p.shape[1:]) \
+                        and weight.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() \
+                        and (weight.storage_offset() - p.storage_offset()) % p.stride(0) == 0:
+                    expert = (weight.storage_offset() - p.storage_offset()) // p.stride(0)
+                    key = key_of.setdefault(expert_key(f"{prefix}.{p_name}", expert),
+                                            expert_key(f"{prefix}.{p_name}", expert))
+                    flat = x.reshape(-1, x.shape[-1]).float()
+                    xtx = (flat.T @ flat).double().numpy()
+                    sums[key] = sums[key] + xtx if key in sums else xtx
+                    break
+            return original(x, weight, bias)
+        return linear
+
+    handles = []
+    for name, params in fused.items():
+        module = model.get_submodule(name)
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_experts_implementation"):
+            config._experts_implementation = "eager"
+
+        def pre(_module, _args, _kwargs=None, params=params, name=name):
+            torch.nn.functional.linear = recording(params, name)
+
+        def post(_module, _args, _output):
+            torch.nn.functional.linear = original
+
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post, always_call=True))  # F.linear back even on an error
+    return handles
 
 
 @register_kind("weights")

@@ -56,6 +56,15 @@ class NameMap:
         """The model's name for a checkpoint name that maps one to one; None for a part of a merged tensor."""
         return self.renamed.get(name)
 
+    def expert_of(self, name: str) -> tuple[str, int] | None:
+        """(the merged parameter, the expert's index in it) for a checkpoint name that is one expert's projection
+        (a merge that stacks experts); None otherwise."""
+        for target, (merge, ordered) in self.merged.items():
+            for source in ordered:
+                if merge.stack and name in source:
+                    return target, source.index(name)
+        return None
+
 
 def _source_regex(pattern: str) -> re.Pattern[str]:
     return re.compile(pattern.replace("*", r"(\d+)") + "$")

@@ -60,8 +60,14 @@ def get_weight_method(name: str) -> WeightMethod:
 
 
 _BLOCK_WEIGHT = re.compile(r"(^|\.)layers\.\d+\.")
+# a mixture-of-experts layer's router (Mixtral's block_sparse_moe.gate, Qwen-MoE's mlp.gate and shared_expert_gate,
+# PhiMoE's router): a few thousand weights a layer that decide which experts run, kept as llama.cpp keeps its
+# ffn_gate_inp; transformers runs them as F.linear on a parameter, not as nn.Linear, so no Hessian is recorded either
+_ROUTER_WEIGHT = re.compile(r"\.(gate|router|shared_expert_gate)\.weight$")
 
 
 def is_quantizable(name: str, shape: tuple[int, ...]) -> bool:
-    """Linear-layer weights inside the decoder blocks; embeddings, the LM head and norms stay as they are."""
-    return len(shape) == 2 and name.endswith(".weight") and bool(_BLOCK_WEIGHT.search(name)) and "norm" not in name
+    """Linear-layer weights inside the decoder blocks; embeddings, the LM head, norms and MoE routers stay as they
+    are."""
+    return len(shape) == 2 and name.endswith(".weight") and bool(_BLOCK_WEIGHT.search(name)) and "norm" not in name \
+        and not _ROUTER_WEIGHT.search(name)

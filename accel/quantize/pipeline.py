@@ -133,15 +133,24 @@ def keep_tensor(source, name: str, x: np.ndarray):
     return encode_tensor(name, x, "raw", role="kept", dtype=source.tensor_dtype(name))
 
 
-def _hessian_name(name: str, model_names: NameMap, settings: QuantizeSettings) -> str:
-    """The name calibration recorded a checkpoint tensor's Hessian under: its nn.Linear's, in the model's names."""
+def _hessian_name(name: str, model_names: NameMap, settings: QuantizeSettings, recorded: dict[str, str]) -> str:
+    """The name calibration recorded a checkpoint tensor's Hessian under: its nn.Linear's in the model's names, or
+    for one expert of a fused experts parameter `<parameter>.<expert>` (accel.calibrate.hessians.expert_key)."""
+    from accel.calibrate.hessians import expert_key
+
     model_name = model_names.model_name(name)
-    if model_name is None:
+    if model_name is not None:
+        return model_name
+    expert = model_names.expert_of(name)
+    if expert is None:
         raise AccelError(f"--weights {settings.weights} needs the inputs of '{name}', a part of a merged parameter "
-                         f"(a mixture-of-experts layer's experts, which transformers runs as one fused tensor and "
-                         f"not as nn.Linear layers): calibration has none; use a method without calibration (rtn, "
-                         f"hqq) for this model")
-    return model_name
+                         f"that calibration does not record; use a method without calibration (rtn, hqq)")
+    key = expert_key(*expert)
+    if key not in recorded:
+        raise AccelError(f"--calib has no inputs for '{name}' (expert {expert[1]} of {expert[0]}): no calibration "
+                         f"token was routed to it, or the calibration predates expert Hessians (2026-12-07); "
+                         f"calibrate again with more --samples")
+    return key
 
 
 def check_source_loads(model: str, source: Any) -> None:
@@ -213,7 +222,7 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
                 shapes = source.tensor_shapes()
                 for name in names:
                     if is_quantizable(name, shapes[name]):
-                        _hessian_name(name, model_names, settings)
+                        _hessian_name(name, model_names, settings, hessians.key_of)
             progress.stage(f"quantizing ({settings.weights or 'weights kept'})", len(names))
             results: dict[str, Any] = {}
             with worker_pool(jobs if method is not None and method.parallel else 1) as pool:
@@ -226,8 +235,8 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
                         progress.advance()
                         continue
                     own = replace(weight_settings, hessians=None if hessians is None else
-                                  FixedHessian(name, hessians.get(_hessian_name(name, model_names, settings),
-                                                                  x.shape[1])))
+                                  FixedHessian(name, hessians.get(
+                                      _hessian_name(name, model_names, settings, hessians.key_of), x.shape[1])))
                     if pool is None:
                         results[name] = encode_one(settings.weights, name, x, own)
                         progress.advance()
