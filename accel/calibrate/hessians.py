@@ -23,6 +23,17 @@ HESSIAN_DIR = "weights"
 WINDOWS = "windows"  # the calibration token ids [n, seq_len], stored as float32 (exact below 2^24)
 
 
+def input_gram(x: torch.Tensor) -> np.ndarray:
+    """xᵀx over the rows of a layer input, in float32 (a matrix product that BLAS runs fast), again in float64 where
+    float32 overflowed (inputs of 1e19 and more), float64 out."""
+    flat = x.reshape(-1, x.shape[-1]).float()
+    xtx = (flat.T @ flat).double()
+    if not torch.isfinite(xtx).all():
+        flat = flat.double()
+        xtx = flat.T @ flat
+    return xtx.numpy()
+
+
 @torch.inference_mode()
 def collect_hessians(model: torch.nn.Module, windows: np.ndarray, progress: Progress = SILENT
                      ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
@@ -44,9 +55,7 @@ def collect_hessians(model: torch.nn.Module, windows: np.ndarray, progress: Prog
                 return
             key = key_of.setdefault(weight_name, weight_name)
             last[0], last[1] = x, key
-            flat = x.reshape(-1, x.shape[-1]).float()
-            xtx = (flat.T @ flat).double().numpy()
-            sums[key] = sums[key] + xtx if key in sums else xtx
+            sums[key] = sums[key] + input_gram(x) if key in sums else input_gram(x)
         return hook
 
     handles = [mod.register_forward_pre_hook(hook_for(name)) for name, mod in linears.items()]
@@ -63,6 +72,10 @@ def collect_hessians(model: torch.nn.Module, windows: np.ndarray, progress: Prog
         for h in handles:
             h.remove()
     tokens = windows.size
+    broken = sorted(k for k, v in sums.items() if not np.isfinite(v).all() or not np.isfinite(v / tokens).all())
+    if broken:  # activations past float64's range: the model itself computes nothing usable there
+        raise AccelError(f"the inputs of '{broken[0]}' overflow even in float64 (non-finite Hessian): the model's "
+                         f"activations are not finite on this text")
     return {k: v / tokens for k, v in sums.items()}, dict(sorted(key_of.items()))
 
 
@@ -93,9 +106,7 @@ def _expert_hooks(model: torch.nn.Module, sums: dict[str, np.ndarray], key_of: d
                     expert = (weight.storage_offset() - p.storage_offset()) // p.stride(0)
                     key = key_of.setdefault(expert_key(f"{prefix}.{p_name}", expert),
                                             expert_key(f"{prefix}.{p_name}", expert))
-                    flat = x.reshape(-1, x.shape[-1]).float()
-                    xtx = (flat.T @ flat).double().numpy()
-                    sums[key] = sums[key] + xtx if key in sums else xtx
+                    sums[key] = sums[key] + input_gram(x) if key in sums else input_gram(x)
                     break
             return original(x, weight, bias)
         return linear
@@ -159,6 +170,9 @@ class HessianStore:
         if self._last is None or self._last[0] != key:
             self._last = (key, self.artifact.decode(key).astype(np.float64))
         h = self._last[1]
+        if not np.isfinite(h).all():
+            raise AccelError(f"--calib Hessian for '{weight_name}' holds NaN or Inf (a damaged or overflowed "
+                             f"calibration); calibrate again")
         if h.shape != (in_features, in_features):
             raise AccelError(f"--calib Hessian for '{weight_name}' is {h.shape[0]}x{h.shape[1]}, but the layer "
                              f"has {in_features} inputs (calibrated on a different model?)")

@@ -126,10 +126,24 @@ class RawCodec(Codec, name="raw"):
         return dtypes.from_storage(side["values"], params["dtype"]).reshape(shape)
 
 
-def _scale_dtype(*arrays: np.ndarray) -> str:
-    """fp16 side data unless a value would overflow it."""
-    finite_max = max((float(np.max(np.abs(a))) if a.size else 0.0) for a in arrays)
-    return "float16" if finite_max < 65000.0 else "float32"
+def grid_dtype(step: np.ndarray, top: int, offset: np.ndarray | None = None) -> str:
+    """The stored dtype of an affine grid's scale (and offset): float16 unless its grid, rounded to float16, misses
+    a group's range by more than half a step at either end, so that a code would land on the wrong value: a scale
+    or offset past float16's range (overflow), a step so small that float16 holds it with few bits or not at all
+    (a subnormal; weights around 1e-6 rounded their step to 0), an offset whose rounding error passes half a step
+    (values of 60000 ± 2). `offset` None: a symmetric grid, (q - top/2)·step."""
+    step = np.abs(np.asarray(step, dtype=np.float64))
+    lo = np.zeros_like(step) if offset is None else np.asarray(offset, dtype=np.float64)
+    if step.size == 0:
+        return "float16"
+    if not (np.all(step < 65000.0) and np.all(np.abs(lo) < 65000.0)):
+        return "float32"
+    span = top / 2.0 if offset is None else float(top)
+    step16 = step.astype(np.float16).astype(np.float64)
+    low_miss = np.abs(lo.astype(np.float16).astype(np.float64) - lo)
+    high_miss = low_miss + span * np.abs(step16 - step)
+    bad = (step > 0) & ((low_miss > step / 2) | (high_miss > step / 2))
+    return "float32" if bad.any() else "float16"
 
 
 class AffineCodec(Codec, name="affine"):
@@ -174,10 +188,11 @@ class AffineCodec(Codec, name="affine"):
         top = levels - 1
         if scale is None:
             if symmetric:
-                scale = dtypes.to_storage(np.abs(g).max(axis=2) / (top / 2.0), _scale_dtype(np.abs(g).max(axis=2)))
+                step = np.abs(g).max(axis=2) / (top / 2.0)
+                scale = dtypes.to_storage(step, grid_dtype(step, top))
             else:
                 lo, step = g.min(axis=2), (g.max(axis=2) - g.min(axis=2)) / top
-                sdt = _scale_dtype(step, lo)
+                sdt = grid_dtype(step, top, lo)
                 scale, offset = dtypes.to_storage(step, sdt), dtypes.to_storage(lo, sdt)
         sdt = "float16" if scale.dtype == np.float16 else "float32"
         s = dtypes.from_storage(scale, sdt).astype(np.float64)[..., None]

@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from accel.errors import AccelError
+
 # (first column a, W[:, a:stop] with every feedback so far applied; its first `block` columns are the block)
 # -> dequantized Q of the block
 BlockQuantizer = Callable[[int, np.ndarray], np.ndarray]
@@ -20,6 +22,8 @@ BlockQuantizer = Callable[[int, np.ndarray], np.ndarray]
 def damped_inverse_cholesky(h: np.ndarray, damp: float = 0.01) -> np.ndarray:
     """Upper Cholesky factor U of (H + damp·mean(diag H)·I)^{-1}; dead inputs (zero diagonal) get unit weight."""
     h = np.array(h, dtype=np.float64, copy=True)
+    if not np.isfinite(h).all():
+        raise AccelError("the layer's Hessian holds NaN or Inf (its calibration inputs overflowed); calibrate again")
     diag = np.diag(h).copy()
     dead = diag <= 0
     h[dead, dead] = 1.0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from accel.formats import dtypes
-from accel.formats.codecs import _scale_dtype
+from accel.formats.codecs import grid_dtype
 from accel.formats.tensor import encode_tensor
 from accel.quantize.gptq import damped_inverse_cholesky, error_feedback
 from accel.quantize.methods import WeightMethod, WeightSettings, register_weight_method
@@ -25,27 +25,33 @@ def gptq_affine(w: np.ndarray, h: np.ndarray, levels: int, group: int) -> tuple[
         h = np.pad(h, ((0, pad), (0, pad)))
     u = damped_inverse_cholesky(h)
     top = levels - 1
-    sdt = _scale_dtype(w)
-    scale = np.zeros((rows, groups), dtype=dtypes.NUMPY_OF[dtypes.FLOAT_STORAGE[sdt]])
-    offset = np.zeros_like(scale)
-    grid: dict[str, np.ndarray] = {}
+    # the grids are fitted to columns that error feedback has already changed, so their dtype is known only at the
+    # end: float16 first, and again in float32 when a float16 grid missed its group (grid_dtype)
+    for sdt in ("float16", "float32"):
+        scale = np.zeros((rows, groups), dtype=dtypes.NUMPY_OF[dtypes.FLOAT_STORAGE[sdt]])
+        offset = np.zeros_like(scale)
+        exact = np.zeros((2, rows, groups))  # the unrounded steps and offsets
+        grid: dict[str, np.ndarray] = {}
 
-    def quantize(a: int, ahead: np.ndarray) -> np.ndarray:
-        if a % group == 0:
-            g = ahead[:, :group]
-            lo = g.min(axis=1)
-            scale[:, a // group] = dtypes.to_storage((g.max(axis=1) - lo) / top, sdt)
-            offset[:, a // group] = dtypes.to_storage(lo, sdt)
-            grid["s"] = dtypes.from_storage(scale[:, a // group], sdt).astype(np.float64)
-            grid["o"] = dtypes.from_storage(offset[:, a // group], sdt).astype(np.float64)
-        s, o = grid["s"], grid["o"]
-        col = ahead[:, 0]
-        q = np.clip(np.rint(np.divide(col - o, s, out=np.zeros_like(col), where=s > 0)), 0, top)
-        return (q * s + o)[:, None]
+        def quantize(a: int, ahead: np.ndarray, sdt=sdt, scale=scale, offset=offset, exact=exact, grid=grid):
+            if a % group == 0:
+                g = ahead[:, :group]
+                lo = g.min(axis=1)
+                exact[0, :, a // group], exact[1, :, a // group] = (g.max(axis=1) - lo) / top, lo
+                scale[:, a // group] = dtypes.to_storage(exact[0, :, a // group], sdt)
+                offset[:, a // group] = dtypes.to_storage(lo, sdt)
+                grid["s"] = dtypes.from_storage(scale[:, a // group], sdt).astype(np.float64)
+                grid["o"] = dtypes.from_storage(offset[:, a // group], sdt).astype(np.float64)
+            s, o = grid["s"], grid["o"]
+            col = ahead[:, 0]
+            q = np.clip(np.rint(np.divide(col - o, s, out=np.zeros_like(col), where=s > 0)), 0, top)
+            return (q * s + o)[:, None]
 
-    lazy = max(group, 128 - 128 % group)
-    out = error_feedback(w, u, 1, quantize, lazy=lazy)
-    return out[:, :cols], scale, offset
+        lazy = max(group, 128 - 128 % group)
+        out = error_feedback(w, u, 1, quantize, lazy=lazy)
+        if sdt == "float32" or grid_dtype(exact[0], top, exact[1]) == "float16":
+            return out[:, :cols], scale, offset
+    raise AssertionError("unreachable")
 
 
 def _gptq(bits: int):

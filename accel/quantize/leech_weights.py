@@ -12,6 +12,7 @@ from functools import cache
 
 import numpy as np
 
+from accel.errors import AccelError
 from accel.formats import dtypes
 from accel.formats.leech_codec import BLOCK, STREAM_NAMES, ball_levels, max_padding
 from accel.formats.tensor import TensorEntry, encode_tensor
@@ -69,6 +70,25 @@ def padded_width(rows: int, cols: int, shells: tuple[int, ...]) -> int:
     return min(widths, key=lambda w: (rows * (w // BLOCK) * block_bits / 8 + 4 * split_size(w)[0] ** 2, w))
 
 
+class RowScaleRange(AccelError):
+    """A row scale float16 cannot hold (check_row_scales)."""
+
+
+def check_row_scales(rms: np.ndarray) -> None:
+    """The format stores a Leech row's scale (its RMS after the rotations) in float16: a row past float16's range
+    would decode to NaN, and one so small that its scale rounds to 0 would decode to zeros. Both refused, naming
+    the range (weights of 1e5 or 1e-8 are not an LLM's; rtn stores float32 grids for them)."""
+    nonzero = rms[rms > 0]
+    if not nonzero.size:
+        return
+    if nonzero.max() >= 65504.0:
+        raise RowScaleRange(f"a row's RMS is {nonzero.max():.3g}, past float16's range (65504), where the Leech format "
+                         f"stores row scales; use rtn for this tensor's model")
+    if nonzero.min() < 2.0 ** -24:
+        raise RowScaleRange(f"a row's RMS is {nonzero.min():.3g}, below float16's smallest value (6e-8), where the "
+                         f"Leech format stores row scales; use rtn for this tensor's model")
+
+
 def quantize_leech(weight: np.ndarray, shells: tuple[int, ...], seed_in: int, seed_out: int,
                    hessian: np.ndarray | None = None) -> tuple[dict[str, np.ndarray], np.ndarray, dict]:
     """Code streams, fp16 row scales and codec params for one 2-D weight."""
@@ -77,7 +97,9 @@ def quantize_leech(weight: np.ndarray, shells: tuple[int, ...], seed_in: int, se
     w = np.zeros((rows, padded))
     w[:, :cols] = weight
     wt = transform_weight(w, seed_out, seed_in)
-    scale16 = dtypes.to_storage(np.sqrt((wt**2).mean(axis=1)), "float16")
+    rms = np.sqrt((wt**2).mean(axis=1))
+    check_row_scales(rms)
+    scale16 = dtypes.to_storage(rms, "float16")
     scale = scale16.astype(np.float64)
     scale[scale == 0] = 1.0  # an all-zero row stores scale 0 (decodes to zeros); search it at scale 1
     alphas = stage_alphas(shells)
@@ -117,8 +139,11 @@ def encode_leech(name: str, weight: np.ndarray, shells: tuple[int, ...], setting
                  ) -> tuple[TensorEntry, dict[str, np.ndarray]]:
     seed_in, seed_out = tensor_seeds(name, settings.seed)
     hessian = settings.hessians.get(name, weight.shape[1]) if settings.hessians is not None else None
-    return encode_tensor(name, weight, "leech", layout=settings.layout, shells=shells, seed_in=seed_in,
-                         seed_out=seed_out, hessian=hessian)
+    try:
+        return encode_tensor(name, weight, "leech", layout=settings.layout, shells=shells, seed_in=seed_in,
+                             seed_out=seed_out, hessian=hessian)
+    except RowScaleRange as exc:
+        raise AccelError(f"tensor '{name}': {exc}") from None
 
 
 def _method(shells: tuple[int, ...]):

@@ -106,7 +106,9 @@ def encode(x: np.ndarray, levels: np.ndarray, seed: int) -> tuple[np.ndarray, np
         rows = levels == lv
         _, thresholds = lloyd_max(int(lv), dim)
         codes[rows] = np.searchsorted(thresholds, y[rows]).astype(np.uint8)
-    return codes, norm.astype(np.float16)
+    # saturated at float16's largest value: a vector of fp16 entries can be longer (128 entries of 6000), and an
+    # infinite norm would decode to NaN; the saturated one shortens it by the excess (3.5% there)
+    return codes, np.minimum(norm, float(np.finfo(np.float16).max)).astype(np.float16)
 
 
 def decode(codes: np.ndarray, levels: np.ndarray, norms: np.ndarray, seed: int) -> np.ndarray:
