@@ -56,6 +56,7 @@ from accel.fixtures.corpus import docstring_text, heldout_text, train_text
 from accel.quantize.damp import damp_map, parse_damp_arg
 from accel.quantize.maps import parse_spec
 from accel.runtime.state_shapes import state_shape
+from bench.benchargs import non_negative, positive, run_main
 
 MARGIN = 0.001  # nats/token: the "no detectable loss" margin, fixed before the final runs (docs/damp.md)
 
@@ -230,16 +231,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer windows and arms")
     parser.add_argument("--fixtures", default="tiny-gdn,tiny-kda")
-    parser.add_argument("--windows", type=int, default=None, help="held-out windows (default 16; quick 4)")
+    parser.add_argument("--windows", type=positive, default=None, help="held-out windows (default 16; quick 4)")
     parser.add_argument("--text", choices=("heldout", "docstrings"), default="heldout",
                         help="evaluation text: the held-out pydoc paragraphs (about 57 windows of 512) or the "
                              "standard library's docstrings (about 3,300 windows), both never trained on")
-    parser.add_argument("--skip-windows", type=int, default=0,
+    parser.add_argument("--skip-windows", type=non_negative, default=0,
                         help="start after this many windows of the text (a run on windows an earlier run did not use)")
-    parser.add_argument("--batch", type=int, default=32,
+    parser.add_argument("--batch", type=positive, default=32,
                         help="windows decoded side by side (each through its own state; default 32)")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per window (default 512; quick 128)")
-    parser.add_argument("--calib-samples", type=int, default=None, help="calibration windows (default 64)")
+    parser.add_argument("--seq-len", type=positive, default=None, help="tokens per window (default 512; quick 128)")
+    parser.add_argument("--calib-samples", type=positive, default=None, help="calibration windows (default 64; quick 8)")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     parser.add_argument("--arms", default=None,
                         help="only these arms, separated by ';' (fp32, the reference, always runs first)")
@@ -294,4 +295,4 @@ def markdown(results: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

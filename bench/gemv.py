@@ -33,6 +33,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.benchargs import positive, run_main
+
 SHAPES = [(576, 576), (1536, 576), (576, 1536), (4096, 4096), (14336, 4096), (4096, 14336)]
 QUICK_SHAPES = [(576, 576), (1536, 576), (576, 1536), (4096, 4096)]
 KERNELS = ["int8", "int4", "int2", "base3", "leech-planes", "leech-onehot"]
@@ -245,9 +247,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller shapes, shorter timing")
     ap.add_argument("--json", action="store_true", help="last line: one JSON object with the rows")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--threads", type=positive, default=os.cpu_count() or 1, help="kernel and torch threads")
     ap.add_argument("--kernels", default=",".join(KERNELS), help="comma-separated subset of " + ",".join(KERNELS))
-    ap.add_argument("--footprint", type=int, default=256, help="MiB of weight copies cycled per timed kernel")
+    ap.add_argument("--footprint", type=positive, default=256, help="MiB of weight copies cycled per timed kernel")
     ap.add_argument("--shapes", help="comma-separated subset such as 4096x4096,14336x4096 (default: all)")
     args = ap.parse_args()
     kernels = [k for k in args.kernels.split(",") if k]
@@ -271,4 +273,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

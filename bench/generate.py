@@ -20,6 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.benchargs import positive, run_main
+
 PROMPT = "The quick brown fox jumps over the lazy dog. In Python, a list comprehension"
 
 
@@ -73,13 +75,21 @@ def time_breakdown(model, ids, tokens: int) -> dict[str, float]:
     return {"token_ms": token_ms, **per, "other_ms": token_ms - sum(per.values())}
 
 
+def _at_least_two(text: str) -> int:
+    value = positive(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError("must be at least 2 (the first token comes from the prefill)")
+    return value
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_dir", help="accel OUT_DIR (served with QuantLinear kernels)")
     ap.add_argument("--reference", default="smollm2-135m", help="dense fp32 arm (source model)")
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--tokens", type=_at_least_two, default=64,
+                    help="tokens generated per round (the rate is over all but the first, which the prefill makes)")
+    ap.add_argument("--rounds", type=positive, default=3, help="rounds per arm (the median is reported)")
+    ap.add_argument("--threads", type=positive, default=os.cpu_count() or 1, help="torch and kernel threads")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time where a generated token goes (linear layers, LM head, the rest), with hooks")
@@ -133,4 +143,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

@@ -38,6 +38,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench.benchargs import positive, run_main
+
 KERNELS = ["int8", "int4", "int2", "base3", "leech-planes", "leech-onehot"]
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]
 STATE_BATCHES = (1, 4, 16)
@@ -324,15 +326,47 @@ def state_checks(check, layers, heads, dk, dv, batches, device, rounds, rng) -> 
     return error, rows
 
 
+def _int_lists(sep: str, width: int | None = None):
+    """An argparse type: comma-separated groups of positive integers joined by `sep` (4096x4096, 32:1:4)."""
+    def parse(text: str) -> list[tuple[int, ...]]:
+        groups = []
+        for item in filter(None, text.split(",")):
+            try:
+                values = tuple(int(v) for v in item.split(sep))
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{item!r}: not integers joined by {sep!r}") from None
+            if (width is not None and len(values) != width) or min(values) < 1:
+                raise argparse.ArgumentTypeError(f"{item!r}: want {width or 'some'} positive integers joined by "
+                                                 f"{sep!r}")
+            groups.append(values)
+        if not groups:
+            raise argparse.ArgumentTypeError("empty list")
+        return groups
+    return parse
+
+
+def _parts(text: str) -> set[str]:
+    parts = set(filter(None, text.split(",")))
+    if not parts or not parts <= {"matvec", "state"}:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose matvec, state or matvec,state")
+    return parts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", help="timed matvec shapes, e.g. 4096x4096,14336x4096 (default: the three large)")
-    parser.add_argument("--rounds", type=int, default=7, help="timed rounds per arm (median)")
-    parser.add_argument("--parts", default="matvec,state", help="which sections to run: matvec, state or both")
-    parser.add_argument("--nibble-configs", default="32:1:4,64:1:4,32:3:4,64:2:8,128:1:8",
+    parser.add_argument("--shapes", type=_int_lists("x", 2), default=None,
+                        help="timed matvec shapes, e.g. 4096x4096,14336x4096 (default: the three large)")
+    parser.add_argument("--rounds", type=positive, default=None, help="timed rounds per arm (median; default 7, "
+                                                                      "quick 3)")
+    parser.add_argument("--parts", type=_parts, default={"matvec", "state"},
+                        help="which sections to run: matvec, state or both")
+    parser.add_argument("--nibble-configs", type=_int_lists(":", 3), default="32:1:4,64:1:4,32:3:4,64:2:8,128:1:8",
                         help="Leech nibble-kernel launches also timed at the first shape: WORDS:STAGES:WARPS,...")
-    parser.add_argument("--footprint-mb", type=int, default=None,
-                        help="MiB of weight copies each timed arm cycles through (default: 4x the GPU's L2; 0: one)")
+    parser.add_argument("--footprint-mb", type=positive, default=None,
+                        help="MiB of weight copies each timed arm cycles through (default: 4x the GPU's L2)")
+    parser.add_argument("--quick", action="store_true", help="3 timed rounds per arm")
+    parser.add_argument("--json", action="store_true",
+                        help="accepted for the benchmarks' common form: the last line is always one JSON object")
     parser.add_argument("--interpret", action="store_true",
                         help="tiny shapes on the CPU under TRITON_INTERPRET=1 (checks the script, times nothing)")
     args = parser.parse_args()
@@ -353,9 +387,10 @@ def main() -> None:
         rounds = 1
     else:
         torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 arm in full float32
-        check_shape, state_check, rounds = (1536, 576), (2, 8, 64, 64), args.rounds
+        check_shape, state_check = (1536, 576), (2, 8, 64, 64)
+        rounds = args.rounds or (3 if args.quick else 7)
         state = (36, 32, 128, 128, STATE_BATCHES)
-        shapes = ([tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES)
+        shapes = args.shapes or SHAPES
     if args.footprint_mb is not None:
         footprint = args.footprint_mb * 2**20
     elif device == "cuda":  # four times the L2 cache
@@ -363,10 +398,10 @@ def main() -> None:
     else:  # the interpreter: a few copies of the tiny weights, to run the cycling
         footprint = 2**16
     started = time.perf_counter()
-    parts = set(args.parts.split(","))
+    parts = args.parts
     errors, rows, state_error, state_rows = [], [], {"ok": True, "skipped": True}, []
     if "matvec" in parts:
-        configs = [tuple(int(v) for v in c.split(":")) for c in args.nibble_configs.split(",") if c]
+        configs = args.nibble_configs
         print(f"weights cycled over at least {footprint / 2**20:.2f} MiB per arm", file=sys.stderr)
         found, failed = attempt("matvec section", lambda: matvec_checks(check_shape, shapes, device, rounds, rng,
                                                                         configs, footprint))
@@ -407,4 +442,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

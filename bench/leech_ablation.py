@@ -15,15 +15,8 @@ import sys
 import time
 from collections.abc import Callable
 
+from benchargs import run_main
 from weights_protocol import MODEL, add_arguments, ensure_calibration, prepare
-
-from accel.converters import build_transformers_model, open_model
-from accel.eval.data import token_windows
-from accel.eval.load import load_decoded_tensors
-from accel.eval.perplexity import window_nll
-from accel.eval.stats import paired_bootstrap
-from accel.formats.artifact import Artifact
-from accel.quantize.pipeline import QuantizeSettings, quantize_model
 
 
 def _layer(name: str) -> int:
@@ -49,6 +42,18 @@ def main() -> int:
     add_arguments(ap)
     ap.add_argument("--arm", default="leech4")
     args = ap.parse_args()
+    # accel (and torch with it) imported here, not at the top: accel quantize's worker processes import this
+    # script again (spawn), and would each load torch for nothing
+    from accel.converters import build_transformers_model, open_model
+    from accel.eval.data import token_windows
+    from accel.eval.load import load_decoded_tensors
+    from accel.eval.perplexity import window_nll
+    from accel.eval.stats import paired_bootstrap
+    from accel.formats.artifact import Artifact
+    from accel.quantize.methods import get_weight_method
+    from accel.quantize.pipeline import QuantizeSettings, quantize_model
+
+    get_weight_method(args.arm)  # an unknown arm before the calibration
     work, eval_text = prepare(args, "leech_ablation.")
     started = time.perf_counter()
     calib = ensure_calibration(work, args)
@@ -87,4 +92,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from benchargs import positive, run_main
 
 PUBLISHED_US = 680.0  # a published Rust encoder's µs per block (issue #3)
 
@@ -72,7 +73,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="encoder speed only (skip the SmolLM2 run)")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--blocks", type=int, default=4096)
+    ap.add_argument("--blocks", type=positive, default=4096)
     args = ap.parse_args()
     rows = encoder_rows(args.blocks)
     print(f"Leech nearest-point encoder, {args.blocks} unit-Gaussian blocks, one BLAS thread")
@@ -92,4 +93,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -13,14 +13,8 @@ import json
 import sys
 
 import numpy as np
+from benchargs import non_negative, run_main
 from weights_protocol import MODEL, add_arguments, ensure_calibration, prepare
-
-from accel.eval.data import token_windows
-from accel.eval.load import load_causal_lm
-from accel.eval.perplexity import window_nll
-from accel.eval.stats import paired_bootstrap
-from accel.quantize.methods import get_weight_method
-from accel.quantize.pipeline import QuantizeSettings, quantize_model
 
 ARMS = ["fp32", "rtn2", "rtn3", "hqq2", "hqq3", "gptq2", "gptq3", "leech2", "leech3", "leech4"]
 
@@ -29,9 +23,21 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     add_arguments(ap)
     ap.add_argument("--arms", default=",".join(ARMS))
-    ap.add_argument("--tune-steps", type=int, default=0, help="leech arms: accel quantize --tune-steps N")
+    ap.add_argument("--tune-steps", type=non_negative, default=0, help="leech arms: accel quantize --tune-steps N")
     args = ap.parse_args()
+    # accel (and torch with it) imported here, not at the top: accel quantize's worker processes import this
+    # script again (spawn), and would each load torch for nothing
+    from accel.eval.data import token_windows
+    from accel.eval.load import load_causal_lm
+    from accel.eval.perplexity import window_nll
+    from accel.eval.stats import paired_bootstrap
+    from accel.quantize.methods import get_weight_method
+    from accel.quantize.pipeline import QuantizeSettings, quantize_model
+
     arms = [a for a in args.arms.split(",") if a]
+    for arm in arms:  # an unknown arm before any work
+        if arm != "fp32":
+            get_weight_method(arm)
     work, eval_text = prepare(args, "leech_quality.")
     calib = work / "calib"
     if any(a != "fp32" and get_weight_method(a).uses_calibration for a in arms):
@@ -78,4 +84,4 @@ def main() -> int:
 
 if __name__ == "__main__":
     np.seterr(all="ignore")
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -20,7 +20,9 @@ Protocol (fixed before the run):
   caches have no parallel equivalent, so they are decoded token by token on all windows.
 
 Usage: python bench/semkv.py [--quick] [--json] [--windows N] [--seq-len T] [--calib-samples N]
-                            [--no-decoded-baselines]
+                            [--no-decoded-baselines] [--workdir DIR]
+Writes the text halves and the calibration under --workdir (default build/bench/semkv; --quick: its quick/) and
+reuses a calibration there recorded with the same settings on the same text.
 The last line printed is one JSON object with the table.
 """
 
@@ -39,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 import torch
+
+from bench.benchargs import non_negative, positive, run_main
 
 MODEL = "smollm2-135m"
 OUT = Path(__file__).resolve().parents[1] / "build" / "bench" / "semkv"
@@ -98,8 +102,8 @@ def run(args: argparse.Namespace) -> dict:
     from accel.quantize.semkv import load_kv_calibration, make_arrays, make_params, scheme_of
     from accel.runtime.kv_cache import fp16_bytes_per_token, simulate
 
-    out = OUT / "quick" if args.quick else OUT
-    calib_text, eval_text = write_halves(OUT)
+    out = args.workdir / "quick" if args.quick else args.workdir
+    calib_text, eval_text = write_halves(args.workdir)
     calib_dir, calib_seconds = ensure_calibration(calib_text, out / "calib", args.calib_samples, args.seq_len)
 
     loaded = load_causal_lm(MODEL)
@@ -219,12 +223,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run of a few minutes")
     parser.add_argument("--json", action="store_true", help="print only the JSON line on stdout")
-    parser.add_argument("--windows", type=int, default=None, help="eval windows (default 16; quick 3)")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per window (default 256; quick 64)")
-    parser.add_argument("--calib-samples", type=int, default=None, help="calibration windows (default 20; quick 4)")
-    parser.add_argument("--decode-windows", type=int, default=None,
+    parser.add_argument("--windows", type=positive, default=None, help="eval windows (default 16; quick 3)")
+    parser.add_argument("--seq-len", type=positive, default=None, help="tokens per window (default 256; quick 64)")
+    parser.add_argument("--calib-samples", type=positive, default=None, help="calibration windows (default 20; quick 4)")
+    parser.add_argument("--decode-windows", type=non_negative, default=None,
                         help="windows the SemKV arms are also decoded token by token (default 2; quick 1)")
-    parser.add_argument("--bytes-windows", type=int, default=4, help="windows that fill real caches for bytes")
+    parser.add_argument("--bytes-windows", type=positive, default=4, help="windows that fill real caches for bytes")
+    parser.add_argument("--workdir", type=Path, default=OUT,
+                        help="the two text halves and the calibration (quick/calib for --quick), kept and reused "
+                             "when their settings match (default: build/bench/semkv in the checkout)")
     parser.add_argument("--no-decoded-baselines", action="store_true",
                         help="skip the transformers caches (quanto, HQQ), which only decode token by token (slow)")
     args = parser.parse_args()
@@ -243,4 +250,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     np.set_printoptions(precision=4)
-    main()
+    sys.exit(run_main(main))

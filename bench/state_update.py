@@ -39,6 +39,7 @@ from accel.kernels.state_update import MixedState, WaterState, step_f32, step_mi
 from accel.quantize.damp import WATER_BITS, water_fill
 from accel.runtime.state_cache import row_bits
 from accel.runtime.state_shapes import state_shape
+from bench.benchargs import positive, run_main
 
 TARGET_BITS = 9.9
 
@@ -145,7 +146,7 @@ def bench_shape(name, layers, b, h, dk, dv, kda, threads, repeats, min_seconds, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
-    parser.add_argument("--threads", type=int, default=1, help="OpenMP / torch threads (default 1)")
+    parser.add_argument("--threads", type=positive, default=1, help="OpenMP / torch threads (default 1)")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
@@ -175,4 +176,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))
