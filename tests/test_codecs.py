@@ -57,20 +57,22 @@ def test_affine_roundtrips_bit_exactly_in_every_layout(tmp_path_factory, shape, 
         assert np.array_equal(other.view(np.uint32), decoded[0].view(np.uint32))
 
 
-def _affine_reference(x: np.ndarray, levels: int, group: int, symmetric: bool) -> np.ndarray:
-    """Float64 reference of the affine codec: same grid, scales rounded to the stored fp16."""
+def _affine_reference(x: np.ndarray, levels: int, group: int, symmetric: bool, dtype=np.float16) -> np.ndarray:
+    """Float64 reference of the affine codec: same grid, scales rounded to the stored dtype (fp16 unless the fp16
+    grid would miss a group, accel.formats.codecs.grid_dtype)."""
+    rnd = np.dtype(dtype).type
     rows = x.reshape(-1, x.shape[-1]).astype(np.float64)
     out = np.empty_like(rows)
     top = levels - 1
     for r, c in itertools.product(range(rows.shape[0]), range(0, rows.shape[1], group)):
         g = rows[r, c : c + group]
         if symmetric:
-            s = float(np.float16(np.abs(g).max() / (top / 2)))
+            s = float(rnd(np.abs(g).max() / (top / 2)))
             q = np.clip(np.rint(g / s + top / 2), 0, top) if s > 0 else np.zeros_like(g)
             out[r, c : c + group] = (q - top / 2) * s
         else:
-            lo = float(np.float16(g.min()))
-            s = float(np.float16((g.max() - g.min()) / top))
+            lo = float(rnd(g.min()))
+            s = float(rnd((g.max() - g.min()) / top))
             q = np.clip(np.rint((g - lo) / s), 0, top) if s > 0 else np.zeros_like(g)
             out[r, c : c + group] = lo + q * s
     return out.reshape(x.shape)
@@ -83,7 +85,7 @@ def test_affine_matches_float64_reference(shape, seed, levels, group, symmetric)
     x = _values(seed, shape, 1.0)
     entry, arrays = encode_tensor("w", x, "affine", levels=levels, group=group, symmetric=symmetric)
     ours = decode_parts(entry, {p: arrays[n] for p, n in entry.parts.items()}).astype(np.float64)
-    ref = _affine_reference(x, levels, group, symmetric)
+    ref = _affine_reference(x, levels, group, symmetric, np.dtype(entry.params["scale_dtype"]))
     assert np.allclose(ours, ref, rtol=1e-6, atol=1e-6 * np.abs(x).max())
 
 
