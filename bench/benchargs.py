@@ -8,25 +8,21 @@ import sys
 from collections.abc import Callable
 
 
-def positive(text: str) -> int:
-    """An argparse type: an integer of at least 1 (argparse turns the error into its usage message, exit 2)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+    return parse
 
 
-def non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
+# argparse types: an integer of at least 1 / 0 (argparse turns the error into its usage message, exit 2)
+positive = _at_least(1)
+non_negative = _at_least(0)
 
 
 def run_main(main: Callable[[], int | None]) -> int:

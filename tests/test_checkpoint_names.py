@@ -56,19 +56,24 @@ def _names(path: Path) -> list[str]:
         return list(f.keys())
 
 
-def test_mixtral_builds_as_transformers_loads_it(mixtral):
+def _assert_builds_as_transformers_loads_it(path: Path) -> None:
+    """build_transformers_model on the checkpoint's own tensors gives from_pretrained's logits, bit for bit."""
     from safetensors.numpy import load_file
     from transformers import AutoModelForCausalLM
 
     from accel.converters import build_transformers_model
 
-    assert any(".experts.3.w2.weight" in n for n in _names(mixtral))
-    config = json.loads((mixtral / "config.json").read_text())
-    ours = build_transformers_model(config, load_file(str(mixtral / "model.safetensors")))
-    theirs = AutoModelForCausalLM.from_pretrained(mixtral, dtype=torch.float32).eval()
-    ids = torch.randint(0, 320, (1, 24), generator=torch.Generator().manual_seed(0))
+    config = json.loads((path / "config.json").read_text())
+    ours = build_transformers_model(config, load_file(str(path / "model.safetensors")))
+    theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.randint(0, 320, (1, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(ours(ids).logits, theirs(ids).logits)
+
+
+def test_mixtral_builds_as_transformers_loads_it(mixtral):
+    assert any(".experts.3.w2.weight" in n for n in _names(mixtral))
+    _assert_builds_as_transformers_loads_it(mixtral)
 
 
 def test_the_name_map(mixtral):
@@ -254,17 +259,7 @@ def test_qwen3_next_decay_input_is_the_models_own_split(qwen3_next):
 def test_a_qwen3_next_checkpoint_through_damp(capsys, qwen3_next, tmp_path, text_file):
     """calibrate --for state found no Gated DeltaNet module (it looked for Qwen3.5's in_proj_a), and the checkpoint's
     experts were refused before that."""
-    from safetensors.numpy import load_file
-    from transformers import AutoModelForCausalLM
-
-    from accel.converters import build_transformers_model
-
-    config = json.loads((qwen3_next / "config.json").read_text())
-    ours = build_transformers_model(config, load_file(str(qwen3_next / "model.safetensors")))
-    theirs = AutoModelForCausalLM.from_pretrained(qwen3_next, dtype=torch.float32).eval()
-    ids = torch.randint(0, 320, (1, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        assert torch.equal(ours(ids).logits, theirs(ids).logits)
+    _assert_builds_as_transformers_loads_it(qwen3_next)
     calib, out = tmp_path / "cal", tmp_path / "q"
     assert run(capsys, "calibrate", qwen3_next, "--for", "state", "--data", text_file, "--out", calib,
                "--samples", "2", "--seq-len", "32")[0] == 0
