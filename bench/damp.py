@@ -241,7 +241,7 @@ def main() -> None:
                         help="windows decoded side by side (each through its own state; default 32)")
     parser.add_argument("--seq-len", type=positive, default=None, help="tokens per window (default 512; quick 128)")
     parser.add_argument("--calib-samples", type=positive, default=None, help="calibration windows (default 64; quick 8)")
-    parser.add_argument("--json", action="store_true", help="print only the JSON line")
+    parser.add_argument("--json", action="store_true", help="accepted: the last line is always the JSON object")
     parser.add_argument("--arms", default=None,
                         help="only these arms, separated by ';' (fp32, the reference, always runs first)")
     parser.add_argument("--stats", default=None, type=Path,
@@ -252,8 +252,7 @@ def main() -> None:
     args.calib_samples = args.calib_samples or (8 if args.quick else 64)
     torch.set_num_threads(1)
     results = [run_fixture(name.strip(), args) for name in args.fixtures.split(",") if name.strip()]
-    if not args.json:
-        print(markdown(results), file=sys.stderr)
+    print(markdown(results))
     print(json.dumps({"bench": "damp", "margin": MARGIN, "quick": args.quick, "fixtures": results}))
 
 

@@ -222,7 +222,7 @@ def markdown(result: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run of a few minutes")
-    parser.add_argument("--json", action="store_true", help="print only the JSON line on stdout")
+    parser.add_argument("--json", action="store_true", help="accepted: the last line is always the JSON object")
     parser.add_argument("--windows", type=positive, default=None, help="eval windows (default 16; quick 3)")
     parser.add_argument("--seq-len", type=positive, default=None, help="tokens per window (default 256; quick 64)")
     parser.add_argument("--calib-samples", type=positive, default=None, help="calibration windows (default 20; quick 4)")
@@ -242,10 +242,9 @@ def main() -> None:
     started = time.perf_counter()
     result = run(args)
     result["seconds"] = time.perf_counter() - started
-    if not args.json:
-        print(markdown(result))
-        print(json.dumps(result["goals"], indent=1))
-    print(json.dumps(result))
+    print(markdown(result))
+    print(json.dumps(result["goals"], indent=1))
+    print(json.dumps(result))  # the last line, --json or not
 
 
 if __name__ == "__main__":

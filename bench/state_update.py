@@ -147,7 +147,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
     parser.add_argument("--threads", type=positive, default=1, help="OpenMP / torch threads (default 1)")
-    parser.add_argument("--json", action="store_true", help="print only the JSON line")
+    parser.add_argument("--json", action="store_true", help="accepted: the last line is always the JSON object")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     repeats, min_s = (5, 0.2) if args.quick else (9, 1.0)
@@ -162,15 +162,13 @@ def main() -> None:
     for shape in shapes:
         row = bench_shape(*shape, threads=args.threads, repeats=repeats, min_seconds=min_s, rng=rng)
         rows.append(row)
-        if not args.json:
-            print(f"{row['shape']:34s} torch f32 {row['torch_f32_ms']:9.3f} ms  C f32 {row['c_f32_ms']:9.3f} ms  "
-                  f"C DAMP {row['c_damp_ms']:9.3f} ms ({row['damp_bits_per_value']:.2f} bits)  "
-                  f"copy f32/DAMP {row['copy_f32_ms']:.3f}/{row['copy_damp_ms']:.3f} ms  "
-                  f"DAMP vs C f32 {row['speedup_vs_c_f32']:.2f}x, vs torch {row['speedup_vs_torch_f32']:.2f}x  "
-                  f"C water {row['c_water_ms']:9.3f} ms ({row['water_bits_per_value']:.2f} bits, "
-                  f"int{row['water_widths'][0]}..int{row['water_widths'][1]}) vs C f32 "
-                  f"{row['water_speedup_vs_c_f32']:.2f}x",
-                  file=sys.stderr)
+        print(f"{row['shape']:34s} torch f32 {row['torch_f32_ms']:9.3f} ms  C f32 {row['c_f32_ms']:9.3f} ms  "
+              f"C DAMP {row['c_damp_ms']:9.3f} ms ({row['damp_bits_per_value']:.2f} bits)  "
+              f"copy f32/DAMP {row['copy_f32_ms']:.3f}/{row['copy_damp_ms']:.3f} ms  "
+              f"DAMP vs C f32 {row['speedup_vs_c_f32']:.2f}x, vs torch {row['speedup_vs_torch_f32']:.2f}x  "
+              f"C water {row['c_water_ms']:9.3f} ms ({row['water_bits_per_value']:.2f} bits, "
+              f"int{row['water_widths'][0]}..int{row['water_widths'][1]}) vs C f32 "
+              f"{row['water_speedup_vs_c_f32']:.2f}x", flush=True)
     print(json.dumps({"bench": "state_update", "threads": args.threads, "target_bits": TARGET_BITS,
                       "rows": rows}))
 
