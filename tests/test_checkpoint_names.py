@@ -182,6 +182,10 @@ def test_gptq_and_leech_on_a_mixture_of_experts(capsys, mixtral, tmp_path, text_
         assert tensors["model.layers.0.block_sparse_moe.experts.3.w2.weight"]["codec"] != "raw"
         code, stdout, err = run(capsys, "eval", out, *args)
         assert code == 0 and abs(json.loads(stdout)["delta_nll"]) < 0.05, err
+    code, _, err = run(capsys, "quantize", mixtral, "--weights", "leech2", "--calib", calib, "--tune-steps", "1",
+                       "--out", tmp_path / "tuned")  # a traceback after the whole quantization
+    assert code == 2 and "Traceback" not in err and "drop --tune-steps" in err
+    assert not (tmp_path / "tuned").exists()
 
 
 def test_an_expert_without_calibration_inputs_is_named():
@@ -271,3 +275,25 @@ def test_a_qwen3_next_checkpoint_through_damp(capsys, qwen3_next, tmp_path, text
     assert code == 0, err
     report = json.loads(stdout)
     assert 9 < report["state_bits_per_value"] < 10 and abs(report["delta_nll"]) < 0.05
+
+
+def test_a_tensor_held_twice_is_refused():
+    """Under its checkpoint name and its model name, or per expert and merged: one copy won silently."""
+    shapes = {"model.layers.0.block_sparse_moe.gate.weight": (4, 8), "model.layers.0.mlp.gate.weight": (4, 8)}
+    with pytest.raises(AccelError, match="holds it twice"):
+        name_map("mixtral", shapes)
+    experts = {f"model.layers.0.mlp.experts.{e}.{p}.weight": (8, 4) for e in range(2)
+               for p in ("gate_proj", "up_proj", "down_proj")}
+    with pytest.raises(AccelError, match="holds it twice"):
+        name_map("qwen2_moe", {**experts, "model.layers.0.mlp.experts.down_proj": (2, 4, 8)})
+
+
+def test_a_router_is_known_by_its_model_name():
+    """GraniteMoE's router is router.layer.weight in its checkpoints: it was quantized, and gptq then asked for a
+    Hessian calibration never records."""
+    from accel.quantize.methods import is_quantizable
+
+    name = "model.layers.0.block_sparse_moe.router.layer.weight"
+    model = name_map("granitemoe", {name: (4, 32)}).model_name(name)
+    assert model == "model.layers.0.block_sparse_moe.router.weight"
+    assert is_quantizable(name, (4, 32)) and not is_quantizable(model, (4, 32))

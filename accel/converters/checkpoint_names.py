@@ -51,6 +51,7 @@ class NameMap:
 
     renamed: dict[str, str] = field(default_factory=dict)
     merged: dict[str, tuple[_Merge, list[list[str]]]] = field(default_factory=dict)
+    experts: dict[str, tuple[str, int]] = field(default_factory=dict)  # name -> (merged parameter, expert index)
 
     def model_name(self, name: str) -> str | None:
         """The model's name for a checkpoint name that maps one to one; None for a part of a merged tensor."""
@@ -59,11 +60,7 @@ class NameMap:
     def expert_of(self, name: str) -> tuple[str, int] | None:
         """(the merged parameter, the expert's index in it) for a checkpoint name that is one expert's projection
         (a merge that stacks experts); None otherwise."""
-        for target, (merge, ordered) in self.merged.items():
-            for source in ordered:
-                if merge.stack and name in source:
-                    return target, source.index(name)
-        return None
+        return self.experts.get(name)
 
 
 def _source_regex(pattern: str) -> re.Pattern[str]:
@@ -136,7 +133,25 @@ def name_map(model_type: str, names: list[str] | Mapping[str, Any]) -> NameMap:
                                  f"{len(indices) - 1}")
             ordered.append([slots[source][i] for i in indices])
         result.merged[target] = (merge, ordered)
+        if merge.stack:
+            result.experts.update({name: (target, i) for source in ordered for i, name in enumerate(source)})
+    _refuse_collisions(model_type, result)
     return result
+
+
+def _refuse_collisions(model_type: str, names: NameMap) -> None:
+    """Two checkpoint tensors that would become one parameter (a tensor under both its checkpoint and its model
+    name, a merged parameter also stored whole): refused, as transformers would silently keep one of them."""
+    seen: dict[str, str] = {}
+    for name, model in names.renamed.items():
+        if model in seen:
+            raise AccelError(f"tensors {seen[model]!r} and {name!r} are both {model!r} in a {model_type} model "
+                             f"(the checkpoint holds it twice)")
+        seen[model] = name
+    for target, (_, ordered) in names.merged.items():
+        if target in seen:
+            raise AccelError(f"tensor {seen[target]!r} and the checkpoint's {ordered[0][0]!r}... both make "
+                             f"{target!r} (the checkpoint holds it twice)")
 
 
 def _merged_shape(merge: _Merge, shapes: list[list[tuple[int, ...]]], target: str) -> tuple[int, ...]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -112,11 +112,14 @@ def kl_to_reference(teacher: torch.nn.Module, student: torch.nn.Module, ids: tor
 
 def tune_leech_scales(config: Mapping[str, Any], source: Mapping[str, np.ndarray], encoded: list[Encoded],
                       windows: np.ndarray, steps: int, lr: float = 1e-3, seed: int = 0,
-                      progress: Progress = SILENT) -> dict[str, Any]:
+                      progress: Progress = SILENT, model_name: Callable[[str], str | None] | None = None
+                      ) -> dict[str, Any]:
     """Refit the fp16 row scales of every leech tensor in `encoded` (in place) by KL to the source model.
 
     `source` holds every tensor of the source model (HF names), `windows` the calibration token ids
-    [n, seq_len]. Codes and every other part stay as they are. Returns a short report.
+    [n, seq_len]. Codes and every other part stay as they are. `model_name` gives the model's name of a checkpoint
+    name that transformers renames (accel.converters.checkpoint_names); the tensors are the checkpoint's. Returns a
+    short report.
     """
     from accel.converters import build_transformers_model
 
@@ -137,7 +140,7 @@ def tune_leech_scales(config: Mapping[str, Any], source: Mapping[str, np.ndarray
         _release_large_buffers_to_the_os()
         modules: dict[str, TunedLeechLinear] = {}
         for entry, arrays in leech:
-            path = entry.name.removesuffix(".weight")
+            path = ((model_name(entry.name) if model_name else None) or entry.name).removesuffix(".weight")
             parent, child = path.rsplit(".", 1)
             module = TunedLeechLinear(_unit_scale_core(entry, arrays), arrays[entry.parts["scale"]],
                                       entry.params["seed_out"])

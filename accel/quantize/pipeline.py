@@ -218,10 +218,17 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
         with output_dir(Path(out), force, inputs=inputs + [Path(model), source.path] + calib) as tmp:
             names = source.tensor_names()
             model_names = name_map(str(source.config.get("model_type")), source.tensor_shapes())
+            if settings.tune_steps:  # tuning swaps each leech tensor's nn.Linear, by the model's name
+                shapes = source.tensor_shapes()
+                fused = [n for n in names if model_names.model_name(n) is None and is_quantizable(n, shapes[n])]
+                if fused:
+                    raise AccelError(f"--tune-steps refits the row scales of nn.Linear layers, and '{fused[0]}' is "
+                                     f"a part of a merged parameter (a mixture-of-experts layer's experts): drop "
+                                     f"--tune-steps for this model")
             if hessians is not None:  # every quantized tensor has its inputs' name, before any work
                 shapes = source.tensor_shapes()
                 for name in names:
-                    if is_quantizable(name, shapes[name]):
+                    if is_quantizable(model_names.model_name(name) or name, shapes[name]):
                         _hessian_name(name, model_names, settings, hessians.key_of)
             progress.stage(f"quantizing ({settings.weights or 'weights kept'})", len(names))
             results: dict[str, Any] = {}
@@ -230,7 +237,9 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
                     x = source.load_tensor(name)
                     if not np.isfinite(x).all():
                         raise AccelError(f"tensor '{name}' holds NaN or Inf values; refusing to quantize it")
-                    if method is None or not is_quantizable(name, x.shape):
+                    # judged by the model's name: a router's checkpoint name may not say router (GraniteMoE's
+                    # router.layer.weight is the model's router.weight)
+                    if method is None or not is_quantizable(model_names.model_name(name) or name, x.shape):
                         results[name] = keep_tensor(source, name, x)
                         progress.advance()
                         continue
@@ -255,7 +264,7 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
 
                 tuned = tune_leech_scales(dict(source.config), {n: source.load_tensor(n) for n in names}, encoded,
                                           hessians.windows(), settings.tune_steps, seed=settings.seed,
-                                          progress=progress)
+                                          progress=progress, model_name=model_names.model_name)
             maps_doc = {}
             for kind, stored in maps.items():
                 maps_doc[kind], map_tensors = encode_map(stored)
