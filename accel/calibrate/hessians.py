@@ -23,6 +23,12 @@ HESSIAN_DIR = "weights"
 WINDOWS = "windows"  # the calibration token ids [n, seq_len], stored as float32 (exact below 2^24)
 
 
+def add_gram(sums: dict[str, np.ndarray], key: str, x: torch.Tensor) -> None:
+    """sums[key] += xᵀx (input_gram)."""
+    gram = input_gram(x)
+    sums[key] = sums[key] + gram if key in sums else gram
+
+
 def input_gram(x: torch.Tensor) -> np.ndarray:
     """xᵀx over the rows of a layer input, in float32 (a matrix product that BLAS runs fast), again in float64 where
     float32 overflowed (inputs of 1e19 and more), float64 out."""
@@ -55,7 +61,7 @@ def collect_hessians(model: torch.nn.Module, windows: np.ndarray, progress: Prog
                 return
             key = key_of.setdefault(weight_name, weight_name)
             last[0], last[1] = x, key
-            sums[key] = sums[key] + input_gram(x) if key in sums else input_gram(x)
+            add_gram(sums, key, x)
         return hook
 
     handles = [mod.register_forward_pre_hook(hook_for(name)) for name, mod in linears.items()]
@@ -72,7 +78,7 @@ def collect_hessians(model: torch.nn.Module, windows: np.ndarray, progress: Prog
         for h in handles:
             h.remove()
     tokens = windows.size
-    broken = sorted(k for k, v in sums.items() if not np.isfinite(v).all() or not np.isfinite(v / tokens).all())
+    broken = sorted(k for k, v in sums.items() if not np.isfinite(v).all())
     if broken:  # activations past float64's range: the model itself computes nothing usable there
         raise AccelError(f"the inputs of '{broken[0]}' overflow even in float64 (non-finite Hessian): the model's "
                          f"activations are not finite on this text")
@@ -91,7 +97,8 @@ def _expert_hooks(model: torch.nn.Module, sums: dict[str, np.ndarray], key_of: d
     its 3-D parameters adds xᵀx to `<param>.<e>`. The module runs its eager loop for this (the grouped kernels would
     not call F.linear). An expert no token reached has no Hessian; quantize says so."""
     fused = {name: {p_name: p for p_name, p in mod.named_parameters(recurse=False) if p.ndim == 3}
-             for name, mod in model.named_modules()}
+             for name, mod in model.named_modules()
+             if not isinstance(mod, torch.nn.modules.conv._ConvNd)}  # a convolution's weight is 3-D too
     fused = {name: params for name, params in fused.items() if params}
     if not fused:
         return []
@@ -106,7 +113,7 @@ def _expert_hooks(model: torch.nn.Module, sums: dict[str, np.ndarray], key_of: d
                     expert = (weight.storage_offset() - p.storage_offset()) // p.stride(0)
                     key = key_of.setdefault(expert_key(f"{prefix}.{p_name}", expert),
                                             expert_key(f"{prefix}.{p_name}", expert))
-                    sums[key] = sums[key] + input_gram(x) if key in sums else input_gram(x)
+                    add_gram(sums, key, x)
                     break
             return original(x, weight, bias)
         return linear
@@ -168,11 +175,12 @@ class HessianStore:
         if key is None:
             raise AccelError(f"--calib has no Hessian for '{weight_name}' (calibrated on a different model?)")
         if self._last is None or self._last[0] != key:
-            self._last = (key, self.artifact.decode(key).astype(np.float64))
+            h = self.artifact.decode(key).astype(np.float64)
+            if not np.isfinite(h).all():
+                raise AccelError(f"--calib Hessian for '{weight_name}' holds NaN or Inf (a damaged or overflowed "
+                                 f"calibration); calibrate again")
+            self._last = (key, h)
         h = self._last[1]
-        if not np.isfinite(h).all():
-            raise AccelError(f"--calib Hessian for '{weight_name}' holds NaN or Inf (a damaged or overflowed "
-                             f"calibration); calibrate again")
         if h.shape != (in_features, in_features):
             raise AccelError(f"--calib Hessian for '{weight_name}' is {h.shape[0]}x{h.shape[1]}, but the layer "
                              f"has {in_features} inputs (calibrated on a different model?)")

@@ -92,10 +92,10 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(argv: list[str]) -> int:
     want_json = "--json" in argv
 
-    def fail(message: str, code: int = 2, prefix: str = "error: ") -> int:
+    def fail(message: str, code: int = 2, prefix: str = "error: ", hint: str = "") -> int:
         if want_json:
             emit_json({"ok": False, "error": message})
-        stderr.print(f"[bold red]{escape(prefix)}[/]{escape(message)}", soft_wrap=True, markup=True)
+        stderr.print(f"[bold red]{escape(prefix)}[/]{escape(message + hint)}", soft_wrap=True, markup=True)
         return code
 
     try:
@@ -114,10 +114,7 @@ def _dispatch(argv: list[str]) -> int:
         message = exc.format_message()
         if not message:  # no command given: click printed the help, which says it all
             return 2
-        if want_json:
-            emit_json({"ok": False, "error": message})
-        stderr.print(f"[bold red]error:[/] {escape(message)}{escape(_help_hint(exc))}", soft_wrap=True, markup=True)
-        return 2
+        return fail(message, hint=_help_hint(exc))
     except OutputClosed:  # whoever read stdout stopped (`| head`): quietly, as a tool that SIGPIPE stopped
         _discard_stdout()
         return 128 + signal.SIGPIPE

@@ -136,11 +136,8 @@ def output_dir(out: Path, force: bool = False, inputs: list[Path] = ()) -> Itera
         else:
             os.replace(tmp, out)
         fsync_dir(out.parent)
-    except OSError as e:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if e.filename is None and e.errno in _WRITE_ERRNOS:  # a write to an open file names none: say where
-            raise OSError(e.errno, e.strerror, str(out)) from None
-        raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and e.filename is None and e.errno in _WRITE_ERRNOS:  # a write to an open file
+            raise OSError(e.errno, e.strerror, str(out)) from None                     # names none: say where
         raise

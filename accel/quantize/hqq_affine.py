@@ -15,7 +15,8 @@ from accel.quantize.methods import WeightMethod, WeightSettings, register_weight
 
 
 def hqq_grid(weight: np.ndarray, bits: int, group: int) -> tuple[np.ndarray, np.ndarray]:
-    """HQQ's optimized per-group (scale, offset) as fp16 arrays (float32 where fp16 would miss, grid_dtype) of shape (rows, ceil(cols / group)).
+    """HQQ's optimized per-group (scale, offset) of shape (rows, ceil(cols / group)), as fp16 arrays (float32 where
+    an fp16 grid would miss its group: grid_dtype).
 
     The hqq package wants whole groups; a row whose length is not a multiple of `group` (an MLA projection 32 wide,
     say) has its last, shorter group optimized on its own, as the affine codec stores it (a partial last group)."""

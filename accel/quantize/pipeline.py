@@ -133,6 +133,26 @@ def keep_tensor(source, name: str, x: np.ndarray):
     return encode_tensor(name, x, "raw", role="kept", dtype=source.tensor_dtype(name))
 
 
+def _plan_tensors(source: Any, names: list[str], method: WeightMethod | None, settings: QuantizeSettings,
+                  hessians: Any) -> tuple[NameMap, dict[str, str | None]]:
+    """The checkpoint's model names, and the tensors `method` quantizes, each with the name calibration recorded its
+    inputs under (None without calibration): judged and checked before any work, by the model's names (a router's
+    checkpoint name may not say router: GraniteMoE's router.layer.weight is the model's router.weight)."""
+    shapes = source.tensor_shapes()
+    model_names = name_map(str(source.config.get("model_type")), shapes)
+    if method is None:
+        return model_names, {}
+    quantized: dict[str, str | None] = {n: None for n in names
+                                        if is_quantizable(model_names.model_name(n) or n, shapes[n])}
+    fused = [n for n in quantized if model_names.model_name(n) is None]
+    if settings.tune_steps and fused:  # tuning swaps each leech tensor's nn.Linear, found by the model's name
+        raise AccelError(f"--tune-steps refits the row scales of nn.Linear layers, and '{fused[0]}' is a part of a "
+                         f"merged parameter (a mixture-of-experts layer's experts): drop --tune-steps for this model")
+    if hessians is not None:
+        quantized = {n: _hessian_name(n, model_names, settings, hessians.key_of) for n in quantized}
+    return model_names, quantized
+
+
 def _hessian_name(name: str, model_names: NameMap, settings: QuantizeSettings, recorded: dict[str, str]) -> str:
     """The name calibration recorded a checkpoint tensor's Hessian under: its nn.Linear's in the model's names, or
     for one expert of a fused experts parameter `<parameter>.<expert>` (accel.calibrate.hessians.expert_key)."""
@@ -215,21 +235,9 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
         hashes = model_files_sha256(inputs)
         if settings.calib is not None:
             check_calibration_model(Path(settings.calib), hashes)
+        names = source.tensor_names()
+        model_names, quantized = _plan_tensors(source, names, method, settings, hessians)
         with output_dir(Path(out), force, inputs=inputs + [Path(model), source.path] + calib) as tmp:
-            names = source.tensor_names()
-            model_names = name_map(str(source.config.get("model_type")), source.tensor_shapes())
-            if settings.tune_steps:  # tuning swaps each leech tensor's nn.Linear, by the model's name
-                shapes = source.tensor_shapes()
-                fused = [n for n in names if model_names.model_name(n) is None and is_quantizable(n, shapes[n])]
-                if fused:
-                    raise AccelError(f"--tune-steps refits the row scales of nn.Linear layers, and '{fused[0]}' is "
-                                     f"a part of a merged parameter (a mixture-of-experts layer's experts): drop "
-                                     f"--tune-steps for this model")
-            if hessians is not None:  # every quantized tensor has its inputs' name, before any work
-                shapes = source.tensor_shapes()
-                for name in names:
-                    if is_quantizable(model_names.model_name(name) or name, shapes[name]):
-                        _hessian_name(name, model_names, settings, hessians.key_of)
             progress.stage(f"quantizing ({settings.weights or 'weights kept'})", len(names))
             results: dict[str, Any] = {}
             with worker_pool(jobs if method is not None and method.parallel else 1) as pool:
@@ -237,15 +245,12 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
                     x = source.load_tensor(name)
                     if not np.isfinite(x).all():
                         raise AccelError(f"tensor '{name}' holds NaN or Inf values; refusing to quantize it")
-                    # judged by the model's name: a router's checkpoint name may not say router (GraniteMoE's
-                    # router.layer.weight is the model's router.weight)
-                    if method is None or not is_quantizable(model_names.model_name(name) or name, x.shape):
+                    if name not in quantized:
                         results[name] = keep_tensor(source, name, x)
                         progress.advance()
                         continue
                     own = replace(weight_settings, hessians=None if hessians is None else
-                                  FixedHessian(name, hessians.get(
-                                      _hessian_name(name, model_names, settings, hessians.key_of), x.shape[1])))
+                                  FixedHessian(name, hessians.get(quantized[name], x.shape[1])))
                     if pool is None:
                         results[name] = encode_one(settings.weights, name, x, own)
                         progress.advance()
