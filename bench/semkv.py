@@ -29,7 +29,6 @@ The last line printed is one JSON object with the table.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -42,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 import torch
 
-from bench.benchargs import non_negative, positive, run_main
+from bench.benchargs import calibration_matches, non_negative, positive, run_main
 
 MODEL = "smollm2-135m"
 OUT = Path(__file__).resolve().parents[1] / "build" / "bench" / "semkv"
@@ -68,26 +67,20 @@ def write_halves(out: Path) -> tuple[Path, Path]:
 def ensure_calibration(calib_text: Path, out: Path, samples: int, seq_len: int) -> tuple[Path, float | None]:
     """Run `accel calibrate --for kv` unless `out` already holds one with these settings on this text; returns
     the directory and the seconds it took (None when reused)."""
-    from accel.calibrate.run import CalibSettings, calibrate
-
-    manifest = out / "calibration.json"
-    want = {"samples": samples, "seq_len": seq_len, "seed": 0}
-    sha = hashlib.sha256(calib_text.read_bytes()).hexdigest()
     from accel.calibrate.kv import BASE_OPTIONS
+    from accel.calibrate.run import CalibSettings, calibrate
     from accel.quantize.semkv import OPTION_KEYS
 
     options = {b: {k: int(o[k]) for k in OPTION_KEYS} for b, o in BASE_OPTIONS.items()}
     report = out / "kv" / "report.json"
     same_options = report.is_file() and json.loads(report.read_text()).get("options") == options
-    if manifest.is_file() and same_options:
-        done = json.loads(manifest.read_text())
-        if done.get("settings") == want and sha in done.get("data", {}).values() and "kv" in done.get("for", []):
-            log(f"reusing the calibration in {out}")
-            return out, None  # its time is not recorded: calibrations write no timings
+    if same_options and calibration_matches(out, calib_text, "kv", samples, seq_len):
+        log(f"reusing the calibration in {out}")
+        return out, None  # its time is not recorded: calibrations write no timings
     log(f"calibrating ({samples} windows x {seq_len} tokens; this is the long part)")
     out.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    calibrate(MODEL, calib_text, out, ["kv"], CalibSettings(**want), force=True)
+    calibrate(MODEL, calib_text, out, ["kv"], CalibSettings(samples=samples, seq_len=seq_len, seed=0), force=True)
     return out, time.perf_counter() - started
 
 

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import hashlib
-import json
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchargs import positive
+from benchargs import calibration_matches, positive
 
 MODEL = "smollm2-135m"
 
@@ -58,19 +56,11 @@ def prepare(args: argparse.Namespace, prefix: str) -> tuple[Path, str]:
 
 
 def _reusable(calib: Path, samples: int, seq_len: int) -> bool:
-    """A calibration recorded with these settings on this text, with its token windows (--tune-steps reads them);
-    a --quick run's 16 x 256 calibration in the same --workdir is not one for a full run."""
+    """A weights calibration with these settings on this text, with its token windows (--tune-steps reads them)."""
     from accel.calibrate.hessians import WINDOWS, HessianStore
 
-    manifest = calib / "calibration.json"
-    if not manifest.is_file():
-        return False
-    done = json.loads(manifest.read_text(encoding="utf-8"))
-    sha = hashlib.sha256((calib.parent / "calib.txt").read_bytes()).hexdigest()
-    if done.get("settings") != {"samples": samples, "seq_len": seq_len, "seed": 0} \
-            or sha not in done.get("data", {}).values():
-        return False
-    return WINDOWS in HessianStore(calib).artifact.names
+    return calibration_matches(calib, calib.parent / "calib.txt", "weights", samples, seq_len) \
+        and WINDOWS in HessianStore(calib).artifact.names
 
 
 def ensure_calibration(work: Path, args: argparse.Namespace) -> Path:
