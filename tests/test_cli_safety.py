@@ -537,3 +537,21 @@ def test_outputs_get_ordinary_permissions_all_the_way_down(tmp_path):
     modes = {p.relative_to(tmp_path / "out").as_posix(): p.stat().st_mode & 0o777
              for p in (tmp_path / "out").rglob("*")}
     assert modes == {"Data": 0o755, "Data/weights": 0o755, "Data/model.mlmodel": 0o644, "Data/run.sh": 0o755}
+
+
+def test_verify_against_another_models_reference_is_bad_input(capsys, model, tmp_path):
+    """verify OUT_DIR --reference OTHER listed every tensor's shape as a fault (exit 1), where eval and the package
+    verify refuse the wrong model named (exit 2); a reference of the same config is still compared."""
+    out = tmp_path / "q"
+    assert run(capsys, "quantize", model, "--weights", "rtn4", "--out", out)[0] == 0
+    other = make_tiny_llama(tmp_path / "wide", hidden=48)
+    capsys.readouterr()  # transformers' save progress
+    for json_flag in ((), ("--json",)):
+        code, stdout, err = run(capsys, "verify", out, "--reference", other, *json_flag)
+        assert_one_line_error(code, err, 2, "--reference has hidden_size=48, the output 40: not the model")
+        assert not json_flag or json.loads(stdout)["error"]
+    same_shape = make_tiny_llama(tmp_path / "seed1", seed=1)
+    capsys.readouterr()
+    code, stdout, _ = run(capsys, "verify", out, "--reference", same_shape, "--json")
+    report = json.loads(stdout)
+    assert code == 0 and report["ok"] and report["max_rel_error"] > 0.5  # other weights: compared, far off

@@ -39,7 +39,14 @@ def verify_artifact(path: Path, reference: str | None = None, progress: Progress
     if reference is not None:
         from accel.converters import open_model
 
-        source = open_model(reference)
+        try:
+            source = open_model(reference)
+            check_reference_config(art.config, source.config)
+        except BaseException:
+            art.close()
+            if source is not None:
+                source.close()
+            raise
     reference_names = set(source.tensor_names()) if source is not None else set()
     errors: list[str] = []
     faulty: set[str] = set()  # logical tensors with a fault listed
@@ -87,6 +94,22 @@ def verify_artifact(path: Path, reference: str | None = None, progress: Progress
         report.update({"reference": reference, "max_rel_error": rel_errors[worst] if worst else 0.0,
                        "max_rel_error_tensor": worst, "max_abs_error": max_abs, "rel_error": rel_errors})
     return report
+
+
+# Config keys that tell two models apart before any tensor is read (export-ane's verify checks the same dims).
+REFERENCE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "intermediate_size")
+
+
+def check_reference_config(config: dict[str, Any] | None, reference: dict[str, Any]) -> None:
+    """Refuse a --reference whose config is another model's (bad input, exit 2, as eval refuses it); tensors that
+    differ under a matching config stay faults of the output."""
+    if not config:  # a lone container has no config: its tensors are compared one by one
+        return
+    for key in REFERENCE_KEYS:
+        if key in config and key in reference and config[key] != reference[key]:
+            raise AccelError(f"--reference has {key}={reference[key]!r}, the output {config[key]!r}: not the model "
+                             f"the output was quantized from")
 
 
 def checked_decode(container: AccelFile, name: str) -> tuple[np.ndarray | None, str | None]:
