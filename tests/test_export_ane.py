@@ -55,10 +55,41 @@ def make_llama(out: Path, *, seed: int = 0, tied: bool = False, vocab: int = 96,
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.3 * torch.randn_like(p))
     model.save_pretrained(out, safe_serialization=True)
-    if model_type != "llama":
+    if model_type != "llama":  # the same tensors under another architecture's name
         cfg = json.loads((out / "config.json").read_text())
-        cfg["model_type"], cfg["architectures"] = model_type, ["MistralForCausalLM"]
+        cfg["model_type"], cfg["architectures"] = model_type, [f"{model_type.capitalize()}ForCausalLM"]
         (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+# Llama-family variants export-ane serves: projection biases (Llama's attention_bias/mlp_bias, Qwen2's q/k/v,
+# Qwen3's attention_bias), Qwen3's per-head q/k RMSNorm, and sliding-window layers (Mistral's on every layer,
+# Qwen2/Qwen3's on the layers from max_window_layers on), windows short enough to matter within 10 tokens.
+FAMILY = {
+    "mistral": {"sliding_window": 4},
+    "qwen2": {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
+    "qwen3": {"head_dim": 16, "attention_bias": True, "use_sliding_window": True, "sliding_window": 3,
+              "max_window_layers": 1},
+    "llama-biases": {"attention_bias": True, "mlp_bias": True},
+}
+
+
+def make_family_model(out: Path, variant: str) -> Path:
+    """A random 3-layer model of one FAMILY variant (random norms and biases), saved as a Hugging Face directory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(3)
+    config = AutoConfig.for_model(variant.split("-")[0], vocab_size=96, hidden_size=32, intermediate_size=80,
+                                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=256, rms_norm_eps=1e-5, **FAMILY[variant])
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.5 * torch.randn_like(p))
+    model.save_pretrained(out, safe_serialization=True)
     return out
 
 
@@ -126,6 +157,59 @@ def test_ane_llama_matches_transformers_prefill_decode_and_chunks(request, which
     assert np.abs(np.concatenate([first, rest]) - want).max() < 1e-5 * scale
 
 
+@pytest.mark.parametrize("variant", sorted(FAMILY))
+def test_llama_family_variants_match_transformers(tmp_path, variant):
+    """Biases, q/k norms and sliding windows as transformers computes them: prefill, decode steps and chunks;
+    and the windows matter (the same model with full attention everywhere is far off)."""
+    import dataclasses
+
+    src, ref = _reference(make_family_model(tmp_path / variant, variant))
+    dims = llama_dims(src.config)
+    expect = {"mistral": ((), False, (4, 4, 4)), "qwen2": (("q", "k", "v"), False, (None, 4, 4)),
+              "qwen3": (("q", "k", "v", "o"), True, (None, 3, 3)),
+              "llama-biases": (("q", "k", "v", "o", "gate", "up", "down"), False, (None, None, None))}
+    assert (dims.biases, dims.qk_norm, dims.windows) == expect[variant]
+    ids = torch.tensor([[5, 9, 77, 3, 60, 12, 8, 1, 33, 2]])
+    model = build_ane_llama(dims, 32, src.load_tensor)
+    with torch.no_grad():
+        want = ref(ids).logits[0].numpy()
+        full = logits_from_pieces(model(ids.int(), torch.arange(10, dtype=torch.int32)[None]))
+        model.reset_cache()
+        steps = [logits_from_pieces(model(ids[:, i:i + 1].int(), torch.tensor([[i]], dtype=torch.int32)))
+                 for i in range(10)]
+        model.reset_cache()
+        first = logits_from_pieces(model(ids[:, :6].int(), torch.arange(6, dtype=torch.int32)[None]))
+        rest = logits_from_pieces(model(ids[:, 6:].int(), torch.arange(6, 10, dtype=torch.int32)[None]))
+        unwindowed = build_ane_llama(dataclasses.replace(dims, windows=()), 32, src.load_tensor)
+        no_window = logits_from_pieces(unwindowed(ids.int(), torch.arange(10, dtype=torch.int32)[None]))
+    scale = np.abs(want).max()
+    for got in (full, np.concatenate(steps), np.concatenate([first, rest])):
+        assert np.abs(got - want).max() < 1e-5 * scale
+    assert (np.abs(no_window - want).max() > 1e-4 * scale) == any(dims.windows)  # 10x the agreement above
+
+
+@pytest.mark.parametrize("variant", ["mistral", "qwen2", "qwen3"])
+def test_cli_exports_and_verifies_llama_family_variants(capsys, tmp_path, variant):
+    model = make_family_model(tmp_path / variant, variant)
+    pkg = tmp_path / f"{variant}.mlpackage"
+    code, out, err = run_cli(capsys, "export-ane", model, "--out", pkg, "--encoding", "int8", "--context", "32",
+                             "--prefill", "8", "--json")
+    exported = json.loads(out)
+    assert code == 0 and exported["residency"]["block_ops"] == 1.0, err
+    # the naive conversion's blocks are found by their transformers layer type (Qwen3DecoderLayer, ...): its
+    # decomposed RMSNorms are off the ANE
+    assert 0.5 < exported["naive_residency"]["block_ops"] < 1.0
+    code, out, err = run_cli(capsys, "verify", pkg, "--reference", model, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["ok"], err
+    assert [c["call"] for c in report["calls"]][:2] == ["prefill", "decode[0]"] and report["max_rel_error"] < 5e-3
+    manifest = read_manifest(pkg)
+    dims = llama_dims(json.loads((model / "config.json").read_text()))
+    assert manifest["architecture"] == f"{variant.capitalize()}ForCausalLM"
+    assert manifest["weight_bytes"]["norms"] == 2 * dims.vector_count() and dims.param_count() == manifest["dims"][
+        "params"] == sum(int(np.prod(s)) for s in open_model(model).tensor_shapes().values())
+
+
 def test_padding_rows_write_nothing_to_the_cache(untied):
     src = open_model(untied)
     model = build_ane_llama(llama_dims(src.config), 16, src.load_tensor)
@@ -146,8 +230,8 @@ def test_head_pieces_never_exceed_the_ane_dimension_limit():
 
 @pytest.mark.parametrize("config,named", [
     ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "GPT2LMHeadModel"),
-    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "MistralForCausalLM"),
-    ({"model_type": "llama", "attention_bias": True}, "attention_bias"),
+    ({"model_type": "granite", "architectures": ["GraniteForCausalLM"]}, "GraniteForCausalLM"),
+    ({"model_type": "llama", "architectures": ["MistralForCausalLM"]}, "MistralForCausalLM"),
     ({"model_type": "llama", "hidden_act": "gelu"}, "gelu"),
 ])
 def test_unsupported_architectures_are_refused_by_name(config, named):
@@ -529,9 +613,9 @@ def test_cli_export_of_a_source_whose_config_is_broken(capsys, untied, tmp_path,
 
 
 def test_cli_refuses_unsupported_architecture_and_bad_arguments(capsys, tmp_path, untied):
-    other = make_llama(tmp_path / "mistral", model_type="mistral")
+    other = make_llama(tmp_path / "granite", model_type="granite")
     code, _, err = run_cli(capsys, "export-ane", other, "--out", tmp_path / "x.mlpackage")
-    one_line_error(code, err, "MistralForCausalLM")
+    one_line_error(code, err, "GraniteForCausalLM")
     code, _, err = run_cli(capsys, "export-ane", untied, "--out", tmp_path / "x.mlpackage", "--encoding", "int3")
     one_line_error(code, err, "unknown encoding 'int3'")
     code, _, err = run_cli(capsys, "export-ane", untied, "--out", tmp_path / "x")

@@ -26,11 +26,11 @@ def register(app: typer.Typer) -> None:
         context: int = typer.Option(512, "--context", help="Context length of the KV cache."),
         prefill: int = typer.Option(64, "--prefill", help="Tokens per prefill call (the prefill function's shape)."),
         naive: bool = typer.Option(True, "--naive/--no-naive",
-                                   help="Also convert the plain transformers Llama for the placement comparison."),
+                                   help="Also convert the plain transformers model for the placement comparison."),
         force: bool = typer.Option(False, "--force", help="Replace an existing --out."),
         json_out: bool = JSON_OPTION,
     ) -> None:
-        """Export a Llama-family model as a multifunction (prefill, decode) Core ML package for the Neural Engine."""
+        """Export a Llama-family model (Llama, Mistral, Qwen2, Qwen3) as a multifunction (prefill, decode) Core ML package for the Neural Engine."""
         if model == SWEEP and not Path(model).exists():
             from accel.converters.coreml.sweep import run_sweep
 

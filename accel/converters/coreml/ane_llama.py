@@ -1,5 +1,9 @@
 """The ANE-friendly Llama that accel owns: (B, C, 1, S) activations, 1x1 convolutions, fp16 KV-cache states.
 
+It serves the Llama family: Llama, Mistral, Qwen2 and Qwen3 decoders differ only in projection biases, a per-head
+RMSNorm of queries and keys (Qwen3) and sliding-window layers, which `llama_dims` reads from transformers' own
+model for the config, so that the ANE model and the reference agree by construction.
+
 One definition serves as the PyTorch reference (float32) and as what coremltools traces (fp16). Every choice
 here is about how the Neural Engine wants a computation expressed (docs/ane.md, "The model definition"):
 - activations are (1, C, 1, S): channels on axis 1, sequence on the last axis; projections are 1x1 convolutions;
@@ -28,7 +32,8 @@ from accel.errors import AccelError
 # The largest size of any one tensor dimension the Neural Engine takes (see placement.py, rule "dim-limit").
 ANE_MAX_DIM = 16384
 
-SUPPORTED_ARCHITECTURES = {"llama": ("LlamaForCausalLM",)}
+SUPPORTED_ARCHITECTURES = {"llama": ("LlamaForCausalLM",), "mistral": ("MistralForCausalLM",),
+                           "qwen2": ("Qwen2ForCausalLM",), "qwen3": ("Qwen3ForCausalLM",)}
 MASK_NEG = -1.0e4  # additive mask: exp(-1e4) is 0 in fp16, and -1e4 stays finite in fp16 arithmetic
 
 
@@ -47,6 +52,9 @@ class LlamaDims:
     tied: bool
     max_positions: int
     config: dict[str, Any]
+    biases: tuple[str, ...] = ()          # the projections (AneBlock.PROJECTIONS short names) that have a bias
+    qk_norm: bool = False                 # a per-head RMSNorm of queries and keys before RoPE (Qwen3)
+    windows: tuple[int | None, ...] = ()  # per layer: the sliding window (keys p - w < k <= p), None for full
 
     @property
     def groups(self) -> int:
@@ -59,16 +67,31 @@ class LlamaDims:
         size = -(-self.vocab // count)
         return [(s, min(s + size, self.vocab)) for s in range(0, self.vocab, size)]
 
+    def window(self, layer: int) -> int | None:
+        return self.windows[layer] if self.windows else None
+
+    def vector_count(self) -> int:
+        """Values of the model's vectors (RMSNorm weights, biases): what the package stores as plain fp16."""
+        widths = {"q": self.heads * self.head_dim, "k": self.kv_heads * self.head_dim,
+                  "v": self.kv_heads * self.head_dim, "o": self.hidden, "gate": self.intermediate,
+                  "up": self.intermediate, "down": self.hidden}
+        per_layer = 2 * self.hidden + sum(widths[b] for b in self.biases) + (2 * self.head_dim if self.qk_norm else 0)
+        return self.layers * per_layer + self.hidden
+
     def param_count(self) -> int:
         attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
         mlp = 3 * self.hidden * self.intermediate
-        per_layer = attn + mlp + 2 * self.hidden
         embed = self.vocab * self.hidden * (1 if self.tied else 2)
-        return self.layers * per_layer + embed + self.hidden
+        return self.layers * (attn + mlp) + embed + self.vector_count()
 
 
 def llama_dims(config: dict[str, Any]) -> LlamaDims:
-    """Validate that `config` is a Llama-family model this exporter handles; refuse anything else by name."""
+    """Validate that `config` is a Llama-family model this exporter handles; refuse anything else by name.
+
+    Biases, query/key norms and sliding windows are read from transformers' own (empty) model for the config,
+    not from config keys, whose meaning differs between architectures."""
+    from accel.converters.materialize import empty_model
+
     model_type = config.get("model_type")
     archs = config.get("architectures") or []
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
@@ -78,13 +101,6 @@ def llama_dims(config: dict[str, Any]) -> LlamaDims:
         supported = ", ".join(a for v in SUPPORTED_ARCHITECTURES.values() for a in v)
         raise AccelError(f"unsupported architecture {arch!r} (model_type {model_type!r}): export-ane handles "
                          f"Llama-family decoders ({supported})")
-    refusals = {
-        "attention_bias": config.get("attention_bias", False),
-        "mlp_bias": config.get("mlp_bias", False),
-    }
-    for key, value in refusals.items():
-        if value:
-            raise AccelError(f"unsupported architecture {arch!r} with {key}=true: export-ane emits bias-free convs")
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise AccelError(f"unsupported architecture {arch!r} with hidden_act={act!r}: export-ane emits silu")
@@ -94,23 +110,37 @@ def llama_dims(config: dict[str, Any]) -> LlamaDims:
     head_dim = int(config.get("head_dim") or hidden // heads)
     if heads % kv_heads:
         raise AccelError(f"{arch}: {heads} attention heads is not a multiple of {kv_heads} KV heads")
+    model = empty_model(config)
+    features = [_layer_features(layer, model.config) for layer in model.model.layers]
+    biases, qk_norm, _ = features[0]
+    if any(f[:2] != (biases, qk_norm) for f in features):
+        raise AccelError(f"unsupported architecture {arch!r}: its layers differ in biases or norms")
+    windows = tuple(f[2] for f in features)
     return LlamaDims(vocab=int(config["vocab_size"]), hidden=hidden, intermediate=int(config["intermediate_size"]),
                      layers=int(config["num_hidden_layers"]), heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                      eps=float(config.get("rms_norm_eps", 1e-6)), tied=bool(config.get("tie_word_embeddings")),
-                     max_positions=int(config.get("max_position_embeddings", 2048)), config=dict(config))
+                     max_positions=int(config.get("max_position_embeddings", 2048)), config=dict(config),
+                     biases=biases, qk_norm=qk_norm, windows=windows)
+
+
+def _layer_features(layer: nn.Module, config: Any) -> tuple[tuple[str, ...], bool, int | None]:
+    """(projections with a bias, per-head q/k norm, sliding window) of one transformers decoder layer. Mistral
+    keeps its window in the config for every layer; Qwen2/Qwen3 set it per layer (None on full-attention ones)."""
+    biases = tuple(name for name, hf in AneBlock.PROJECTIONS if layer.get_submodule(hf).bias is not None)
+    attn = layer.self_attn
+    window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(config, "sliding_window", None)
+    return biases, hasattr(attn, "q_norm"), None if window is None else int(window)
 
 
 def rotary_tables(dims: LlamaDims, positions: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin, (positions, head_dim) float32, exactly as transformers computes them (rope scaling included)."""
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    """cos and sin, (positions, head_dim) float32, exactly as the model's own transformers rotary embedding
+    computes them (rope scaling included)."""
+    from accel.converters.materialize import empty_model
 
-    from accel.converters.materialize import NOT_MODEL_KEYS
-
-    keep = {k: v for k, v in dims.config.items() if k not in NOT_MODEL_KEYS + ("architectures",)}
-    rope = LlamaRotaryEmbedding(LlamaConfig(**keep))
+    rope = empty_model(dims.config).model.rotary_emb
     pos = torch.arange(positions, dtype=torch.int64)[None]
-    cos, sin = rope(torch.zeros(1, dtype=torch.float32), pos)
+    with torch.no_grad():
+        cos, sin = rope(torch.zeros(1, dtype=torch.float32), pos)
     return cos[0].numpy().astype(np.float32), sin[0].numpy().astype(np.float32)
 
 
@@ -127,8 +157,15 @@ def _rms_norm_ane_fake(x: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-def conv1x1(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return F.conv2d(x, weight)
+def conv1x1(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.conv2d(x, weight, bias)
+
+
+def head_norm(x: torch.Tensor, weight: torch.Tensor, heads: int, head_dim: int, eps: float) -> torch.Tensor:
+    """Qwen3's per-head RMSNorm of a projection's output (1, heads * head_dim, 1, S): the heads become the batch
+    axis, so that the norm is the same channel-axis layer_norm as every other (a reshape, no transpose)."""
+    x = x.reshape(heads, head_dim, 1, -1)
+    return (rms_norm_ane(x, eps) * weight).reshape(1, heads, head_dim, -1)
 
 
 class AneBlock(nn.Module):
@@ -144,8 +181,16 @@ class AneBlock(nn.Module):
         prefix = f"model.layers.{layer}."
         for name, hf in self.PROJECTIONS:
             setattr(self, name, conv_param(weight(prefix + hf + ".weight")))
+            bias = nn.Parameter(_tensor(weight(prefix + hf + ".bias")), requires_grad=False) \
+                if name in dims.biases else None
+            setattr(self, name + "_bias", bias)
         self.attn_norm = norm_param(weight(prefix + "input_layernorm.weight"))
         self.mlp_norm = norm_param(weight(prefix + "post_attention_layernorm.weight"))
+        self.q_norm = norm_param(weight(prefix + "self_attn.q_norm.weight")) if dims.qk_norm else None
+        self.k_norm = norm_param(weight(prefix + "self_attn.k_norm.weight")) if dims.qk_norm else None
+
+    def project(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        return conv1x1(x, getattr(self, name), getattr(self, name + "_bias"))
 
     def forward(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 rotary: tuple[torch.Tensor, ...], mask: torch.Tensor, write: torch.Tensor,
@@ -153,9 +198,13 @@ class AneBlock(nn.Module):
         d = self.dims
         q_cos, q_sin, cos, sin = rotary
         h = rms_norm_ane(x, d.eps) * self.attn_norm
-        q = rope(conv1x1(h, self.q).reshape(1, d.heads, d.head_dim, -1), q_cos, q_sin, d.head_dim // 2)
-        k = rope(conv1x1(h, self.k).reshape(1, d.kv_heads, d.head_dim, -1), cos, sin, d.head_dim // 2)
-        v = conv1x1(h, self.v).reshape(1, d.kv_heads, d.head_dim, -1)
+        q, k = self.project("q", h), self.project("k", h)
+        if d.qk_norm:
+            q = head_norm(q, self.q_norm, d.heads, d.head_dim, d.eps)
+            k = head_norm(k, self.k_norm, d.kv_heads, d.head_dim, d.eps)
+        q = rope(q.reshape(1, d.heads, d.head_dim, -1), q_cos, q_sin, d.head_dim // 2)
+        k = rope(k.reshape(1, d.kv_heads, d.head_dim, -1), cos, sin, d.head_dim // 2)
+        v = self.project("v", h).reshape(1, d.kv_heads, d.head_dim, -1)
         k_all = k_cache * keep + torch.matmul(k, write)                              # (1, kvh, hd, ctx)
         v_all = v_cache * keep + torch.matmul(v, write)
         k_cache[:, :, :, :] = k_all                                                 # the state writes
@@ -167,9 +216,9 @@ class AneBlock(nn.Module):
         p = torch.softmax(torch.matmul(q, k_all) + mask, dim=-1)                    # (1, kvh, S*g, ctx)
         o = torch.matmul(p, v_all.transpose(2, 3))                                  # (1, kvh, S*g, hd)
         o = o.reshape(1, d.kv_heads, -1, d.groups * d.head_dim).transpose(2, 3)
-        x = x + conv1x1(o.reshape(1, d.heads * d.head_dim, 1, -1), self.o)
+        x = x + self.project("o", o.reshape(1, d.heads * d.head_dim, 1, -1))
         h = rms_norm_ane(x, d.eps) * self.mlp_norm
-        return x + conv1x1(F.silu(conv1x1(h, self.gate)) * conv1x1(h, self.up), self.down)
+        return x + self.project("down", F.silu(self.project("gate", h)) * self.project("up", h))
 
 
 class AneLlama(nn.Module):
@@ -210,6 +259,16 @@ class AneLlama(nn.Module):
         for name in self.cache_names:
             getattr(self, name).zero_()
 
+    def attention_mask(self, keys: torch.Tensor, pos: torch.Tensor, window: int | None,
+                       dtype: torch.dtype) -> torch.Tensor:
+        """The additive mask (0 or -1e4), rows (s, g): causal, and with a sliding window only the last `window`
+        positions (transformers' sliding_window_overlay: p - window < k <= p)."""
+        visible = keys[None, :] <= pos[:, None]                                     # (S, ctx)
+        if window is not None and window < self.context:
+            visible = visible & (keys[None, :] > pos[:, None] - window)
+        mask = (visible.to(dtype) - 1.0) * -MASK_NEG                             # 0 or -1e4
+        return mask[:, None, :].repeat(1, self.dims.groups, 1).reshape(-1, self.context)
+
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """(S,) ids -> (1, hidden, 1, S); with tied weights, a masked gather from each head piece."""
         if self.embed is not None:
@@ -234,13 +293,12 @@ class AneLlama(nn.Module):
         scale = 1.0 / math.sqrt(d.head_dim)                                         # attention's, on q only
         rotary = (cos * scale, sin * scale, cos, sin)
         keys = torch.arange(self.context, dtype=pos.dtype)
-        visible = (keys[None, :] <= pos[:, None]).to(x.dtype)                       # (S, ctx)
-        mask = (visible - 1.0) * -MASK_NEG                                          # 0 or -1e4
-        mask = mask[:, None, :].repeat(1, d.groups, 1).reshape(-1, self.context)     # rows (s, g)
+        masks = {w: self.attention_mask(keys, pos, w, x.dtype) for w in dict.fromkeys(map(d.window, range(d.layers)))}
         write = (keys[None, :] == pos[:, None]).to(x.dtype)                         # one-hot (S, ctx)
         keep = (1.0 - write.sum(dim=0)).reshape(1, 1, 1, self.context)
         for i, block in enumerate(self.blocks):
-            x = block(x, getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}"), rotary, mask, write, keep)
+            x = block(x, getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}"), rotary, masks[d.window(i)],
+                      write, keep)
         h = rms_norm_ane(x, d.eps) * self.final_norm
         return tuple(conv1x1(h, piece) for piece in self.head)
 

@@ -458,10 +458,10 @@ def serialize(program) -> Any:
 # ------------------------------------------------------------------------------------------------- manifest
 def predicted_bytes_table(dims: LlamaDims, plan: WeightPlan, decode_seq: int = 1) -> dict[str, int]:
     """Weight bytes one decode token streams, per encoding: every matrix once (the tied head pieces serve both
-    the gather and the LM head, so they are read in full once); norms stay fp16; an untied embedding table only
-    gives its `decode_seq` gathered rows."""
+    the gather and the LM head, so they are read in full once); norms and biases stay fp16; an untied embedding
+    table only gives its `decode_seq` gathered rows."""
     table = {}
-    norms = 2 * dims.hidden * (2 * dims.layers + 1)
+    norms = 2 * dims.vector_count()
     for name in encoding_names():
         enc = get_encoding(name)
         total = norms
@@ -477,7 +477,7 @@ def predicted_bytes_table(dims: LlamaDims, plan: WeightPlan, decode_seq: int = 1
 
 
 def package_weight_bytes(plan: WeightPlan, dims: LlamaDims) -> dict[str, int]:
-    norms = 2 * dims.hidden * (2 * dims.layers + 1)
+    norms = 2 * dims.vector_count()  # RMSNorm weights and biases, fp16
     matrices = sum(w.storage_bytes for w in plan.encoded.values())
     streamed = norms + sum(w.storage_bytes for p, w in plan.encoded.items() if p != "embed")
     if "embed" in plan.encoded:

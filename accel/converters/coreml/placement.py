@@ -38,9 +38,12 @@ MOVE_OPS = {"reshape", "transpose", "concat", "split", "slice_by_index", "slice_
             "tile", "pad", "identity", "read_state", "coreml_update_state", "slice_update", "cast"} | GATHER_OPS
 FLOPS_PER_ELEMENT = {"softmax": 5, "layer_norm": 8, "instance_norm": 8, "batch_norm": 2, "silu": 4, "gelu": 8,
                      "sigmoid": 4, "tanh": 4, "exp": 2, "rsqrt": 2, "sqrt": 2, "pow": 2}
-# Torch module types whose ops are "inside a decoder block" (accel's ANE Llama; transformers' Llama).
-BLOCK_MODULE_TYPES = {"AneBlock", "LlamaDecoderLayer"}
-NAIVE_DESCRIPTION = ("transformers LlamaForCausalLM (eager attention, use_cache=False), traced with torch.jit.trace "
+# Torch module types whose ops are "inside a decoder block": accel's ANE model, and transformers' decoder layers
+# (LlamaDecoderLayer, Qwen3DecoderLayer, ...).
+BLOCK_MODULE_TYPE = "AneBlock"
+BLOCK_MODULE_SUFFIX = "DecoderLayer"
+NAIVE_DESCRIPTION = ("the model's transformers causal LM, e.g. LlamaForCausalLM (eager attention, use_cache=False), "
+                     "traced with torch.jit.trace "
                      "for one fixed sequence length and converted by coremltools.convert with its defaults "
                      "(mlprogram, fp16, default pass pipeline)")
 
@@ -353,12 +356,12 @@ def in_block(op) -> bool:
     from coremltools.converters.mil.mil.scope import ScopeSource
 
     types_ = op.scopes.get(ScopeSource.TORCHSCRIPT_MODULE_TYPE, []) if hasattr(op, "scopes") else []
-    return any(t in BLOCK_MODULE_TYPES for t in types_)
+    return any(t == BLOCK_MODULE_TYPE or t.endswith(BLOCK_MODULE_SUFFIX) for t in types_)
 
 
 # -------------------------------------------------------------------------------------------- naive baseline
 def convert_naive(source, dims, seq: int):
-    """The naive conversion of the same weights: a plain transformers Llama, traced, coremltools defaults."""
+    """The naive conversion of the same weights: the plain transformers model, traced, coremltools defaults."""
     import torch
 
     from accel.converters import build_transformers_model
@@ -398,6 +401,7 @@ def plain_llama(model, seq: int):
 
 
 def _hf_names(dims) -> list[str]:
+    """Every tensor the ANE model reads, by Hugging Face name."""
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not dims.tied:
         names.append("lm_head.weight")
@@ -407,4 +411,7 @@ def _hf_names(dims) -> list[str]:
         p = f"model.layers.{i}."
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
         names += [p + hf + ".weight" for _, hf in AneBlock.PROJECTIONS]
+        names += [p + hf + ".bias" for short, hf in AneBlock.PROJECTIONS if short in dims.biases]
+        if dims.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
     return names
