@@ -241,6 +241,8 @@ _HF_TO_GGUF = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
 
 
@@ -260,8 +262,12 @@ def write_gguf(path: Path, model: LlamaForCausalLM, arch: str = "llama", f16: tu
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_rope_dimension_count(head_dim)
+    if arch == "qwen3":  # llama.cpp's Qwen3 converter records the head width
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_vocab_size(cfg.vocab_size)
     for name, tensor in model.state_dict().items():
         stem, suffix = name.rsplit(".", 1)
@@ -271,9 +277,9 @@ def write_gguf(path: Path, model: LlamaForCausalLM, arch: str = "llama", f16: tu
         else:
             gguf_name = f"{_HF_TO_GGUF[stem]}.{suffix}"
         array = tensor.numpy()
-        if "q_proj" in name:
+        if arch == "llama" and "q_proj" in name:  # llama.cpp permutes llama's Q/K only
             array = llama_cpp_permute(array, cfg.num_attention_heads)
-        elif "k_proj" in name:
+        elif arch == "llama" and "k_proj" in name:
             array = llama_cpp_permute(array, cfg.num_key_value_heads)
         if quant and name in quant:
             writer.add_tensor(gguf_name, gguf.quants.quantize(array, quant[name]), raw_dtype=quant[name])
@@ -342,10 +348,45 @@ def test_gguf_matches_transformers_loader(tiny_gguf):
         assert torch.equal(built(ids).logits, model(ids).logits)
 
 
+def random_qwen(arch: str, seed: int = 7) -> torch.nn.Module:
+    """A tiny Qwen2 (q/k/v biases) or Qwen3 (q/k norms, head_dim not hidden / heads) with informative norms and
+    biases, as the random_llama above. Qwen3's head_dim is 128, Qwen3Config's default: transformers' GGUF loader
+    does not read qwen3.attention.key_length (accel does), so only at the default do both read the same model."""
+    torch.manual_seed(seed)
+    extra = {"head_dim": 128} if arch == "qwen3" else {}
+    config = AutoConfig.for_model(arch, **{**TINY, "rope_theta": 1_000_000.0, **extra})
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("norm.weight", ".bias")):
+                param.add_(0.1 * torch.randn_like(param))
+    return model
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_gguf_matches_transformers_loader(tmp_path, arch):
+    """Qwen2/Qwen3 GGUF files as llama.cpp writes them (Q/K unpermuted, q/k norms and key_length for Qwen3): the
+    tensors transformers' own GGUF loader reads, and the logits of the model they were written from."""
+    model = random_qwen(arch)
+    path = tmp_path / f"{arch}.gguf"
+    write_gguf(path, model, arch=arch)
+    src = open_model(path)
+    assert src.config["model_type"] == arch and src.config["head_dim"] == (128 if arch == "qwen3" else 8)
+    assert src.tensor_names() == sorted(model.state_dict())
+    reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    for name, tensor in reference.state_dict().items():
+        if name != "lm_head.weight" or not src.config["tie_word_embeddings"]:
+            assert torch.equal(torch.from_numpy(src.load_tensor(name)), tensor), name
+    built = build_transformers_model(src.config, dict(src.iter_tensors()))
+    ids = tokens()
+    with torch.no_grad():
+        assert torch.equal(built(ids).logits, model(ids).logits)
+
+
 def test_refuses_unsupported_gguf_architecture(tmp_path):
     path = tmp_path / "other.gguf"
-    write_gguf(path, random_llama(), arch="qwen2")
-    with pytest.raises(AccelError, match="architecture 'qwen2' is not supported"):
+    write_gguf(path, random_llama(), arch="gemma")
+    with pytest.raises(AccelError, match="architecture 'gemma' is not supported"):
         open_model(path)
 
 

@@ -1,7 +1,9 @@
 """GGUF files (llama.cpp): memory-mapped, dequantized to float32 one tensor at a time, under HF names.
 
-Only the llama architecture is mapped. llama.cpp's converter permutes the rows of the Q and K projections (it
-interleaves the two rotary halves of every head); `unpermute_qk` undoes it, as transformers' GGUF loader does.
+The llama (Llama, Mistral: llama.cpp converts both as "llama"), qwen2 and qwen3 architectures are mapped. For
+llama, llama.cpp's converter permutes the rows of the Q and K projections (it interleaves the two rotary halves of
+every head); `unpermute_qk` undoes it, as transformers' GGUF loader does. Qwen2/Qwen3 are written unpermuted (their
+rotary embedding is the same rotate-half as transformers').
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from accel.errors import AccelError, FormatError
 
 _FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
-# GGUF block name -> Hugging Face module path, for llama.
+# GGUF block name -> Hugging Face module path (llama, qwen2; qwen3 adds the q/k norms).
 _LLAMA_BLOCK = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -30,7 +32,11 @@ _LLAMA_BLOCK = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 _LLAMA_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# GGUF architecture -> (model_type, the transformers class), as config.json names them.
+HF_ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+                    "qwen3": ("qwen3", "Qwen3ForCausalLM")}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 _TOP_RE = re.compile(r"([a-z_]+)\.(weight|bias)")
 
@@ -83,7 +89,7 @@ def _float32_shortest(value: float) -> float:
 class GGUFSource(ModelSource):
     """A .gguf file of a supported architecture, seen as a Hugging Face model."""
 
-    SUPPORTED_ARCHITECTURES = ("llama",)
+    SUPPORTED_ARCHITECTURES = tuple(HF_ARCHITECTURES)
 
     def __init__(self, path: Path, name: str | None = None):
         import gguf
@@ -132,11 +138,12 @@ class GGUFSource(ModelSource):
         head_dim = (
             self._meta("attention.key_length") or self._meta("rope.dimension_count") or hidden // n_head
         )
+        arch = self.architecture
         scaling = self._meta("rope.scaling.type")
         if scaling not in (None, "none"):
-            raise AccelError(f"{self.path}: llama GGUF with rope scaling {scaling!r} is not supported yet")
+            raise AccelError(f"{self.path}: {arch} GGUF with rope scaling {scaling!r} is not supported yet")
         if self._meta("expert_count"):
-            raise AccelError(f"{self.path}: mixture-of-experts llama GGUF files are not supported yet")
+            raise AccelError(f"{self.path}: mixture-of-experts {arch} GGUF files are not supported yet")
 
         embed = self._tensors.get("token_embd.weight")
         if embed is None:
@@ -147,9 +154,10 @@ class GGUFSource(ModelSource):
             raise FormatError(f"{self.path}: vocab_size {meta_vocab} but token_embd.weight has {vocab} rows")
 
         names = self._tensors
+        model_type, hf_class = HF_ARCHITECTURES[arch]
         config: dict[str, Any] = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [hf_class],
+            "model_type": model_type,
             "vocab_size": vocab,
             "hidden_size": hidden,
             "intermediate_size": int(self._meta("feed_forward_length", required=True)),
@@ -161,18 +169,15 @@ class GGUFSource(ModelSource):
             "max_position_embeddings": int(self._meta("context_length", 2048)),
             "rms_norm_eps": _float32_shortest(self._meta("attention.layer_norm_rms_epsilon", 1e-6)),
             "rope_theta": _float32_shortest(self._meta("rope.freq_base", 10000.0)),
-            "attention_bias": any(
-                n.endswith(".bias") and n.split(".")[2] in ("attn_q", "attn_k", "attn_v", "attn_output")
-                for n in names
-                if n.startswith("blk.")
-            ),
-            "mlp_bias": any(
-                n.endswith(".bias") and n.split(".")[2].startswith("ffn_")
-                for n in names
-                if n.startswith("blk.")
-            ),
             "tie_word_embeddings": "output.weight" not in names,
         }
+        block_biases = {n.split(".")[2] for n in names if n.startswith("blk.") and n.endswith(".bias")}
+        if arch in ("llama", "qwen3"):  # qwen2's q/k/v biases are part of its class, not of its config
+            config["attention_bias"] = bool(block_biases & {"attn_q", "attn_k", "attn_v", "attn_output"})
+        if arch == "llama":
+            config["mlp_bias"] = any(b.startswith("ffn_") for b in block_biases)
+        if arch == "qwen2":
+            config["use_sliding_window"] = False  # llama.cpp runs Qwen2 with full attention in every layer
         for key, hf_key in (
             ("bos_token_id", "bos_token_id"),
             ("eos_token_id", "eos_token_id"),
@@ -188,16 +193,18 @@ class GGUFSource(ModelSource):
             raise AccelError(
                 f"{self.path}: llama3-style rope frequency scaling (rope_freqs.weight) is not supported yet"
             )
+        block = {**_LLAMA_BLOCK, **_QK_NORMS} if self.architecture == "qwen3" else _LLAMA_BLOCK
         match = _BLOCK_RE.fullmatch(gguf_name)
-        if match and match.group(2) in _LLAMA_BLOCK:
+        if match and match.group(2) in block:
             layer, part, suffix = match.groups()
             if int(layer) >= self.config["num_hidden_layers"]:
                 raise FormatError(f"{self.path}: tensor {gguf_name} is beyond block_count")
-            return f"model.layers.{int(layer)}.{_LLAMA_BLOCK[part]}.{suffix}"
+            return f"model.layers.{int(layer)}.{block[part]}.{suffix}"
         match = _TOP_RE.fullmatch(gguf_name)
         if match and match.group(1) in _LLAMA_TOP:
             return f"{_LLAMA_TOP[match.group(1)]}.{match.group(2)}"
-        raise AccelError(f"{self.path}: GGUF tensor {gguf_name!r} has no Hugging Face llama counterpart")
+        raise AccelError(f"{self.path}: GGUF tensor {gguf_name!r} has no Hugging Face {self.architecture} "
+                         f"counterpart")
 
     def _llama_entries(self) -> dict[str, _Entry]:
         cfg = self.config
@@ -215,6 +222,8 @@ class GGUFSource(ModelSource):
                     f"{self.path}: tensor {gguf_name} has {shape[0]} rows, expected {qk_heads} heads x "
                     f"{cfg['head_dim']}"
                 )
+            if self.architecture != "llama":  # only llama's Q/K rows are permuted by llama.cpp
+                qk_heads = None
             type_name = t.tensor_type.name
             entries[hf_name] = _Entry(gguf_name, shape, _FLOAT_TYPES.get(type_name, "float32"), qk_heads)
         return entries
