@@ -251,8 +251,31 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def llama_cpp_rope_factors(config) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors for rope_type llama3: one divisor a frequency."""
+    import math
+
+    rope = config.rope_parameters
+    dim = config.head_dim
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32).numpy()
+
+
 def write_gguf(path: Path, model: LlamaForCausalLM, arch: str = "llama", f16: tuple[str, ...] = (),
-               quant: dict[str, gguf.GGMLQuantizationType] | None = None) -> None:
+               quant: dict[str, gguf.GGMLQuantizationType] | None = None,
+               rope_factors: np.ndarray | None = None) -> None:
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -269,6 +292,8 @@ def write_gguf(path: Path, model: LlamaForCausalLM, arch: str = "llama", f16: tu
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_vocab_size(cfg.vocab_size)
+    if rope_factors is not None:
+        writer.add_tensor("rope_freqs.weight", rope_factors.astype(np.float32))
     for name, tensor in model.state_dict().items():
         stem, suffix = name.rsplit(".", 1)
         if stem.startswith("model.layers."):
@@ -381,6 +406,49 @@ def test_qwen_gguf_matches_transformers_loader(tmp_path, arch):
     ids = tokens()
     with torch.no_grad():
         assert torch.equal(built(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("low,high,factor,exact", [(1.0, 4.0, 8.0, True), (1.0, 4.0, 32.0, True),
+                                                   (1.0, 2.0, 16.0, False), (0.5, 3.0, 8.0, False)])
+def test_gguf_llama3_rope_scaling_is_recovered_from_rope_freqs(tmp_path, low, high, factor, exact):
+    """llama.cpp stores Llama 3's rope scaling as divisors (rope_freqs.weight), not as parameters: the published
+    parameters (low 1, high 4, factor 8 or 32) come back exactly and the logits equal the model's; other
+    parameters come back as an equivalent triple (original 8192), the logits equal to float32 rounding."""
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": factor, "low_freq_factor": low,
+            "high_freq_factor": high, "original_max_position_embeddings": 8192}
+    model = random_llama(seed=11, hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=16384, rope_parameters=rope)
+    path = tmp_path / "llama3.gguf"
+    write_gguf(path, model, rope_factors=llama_cpp_rope_factors(model.config))
+    src = open_model(path)
+    assert "rope_freqs.weight" not in src.tensor_names() and src.tensor_names() == sorted(model.state_dict())
+    scaling = src.config["rope_scaling"]
+    assert scaling["rope_type"] == "llama3" and scaling["factor"] == factor
+    if exact:
+        assert (scaling["low_freq_factor"], scaling["high_freq_factor"]) == (low, high)
+    built = build_transformers_model(src.config, dict(src.iter_tensors()))
+    want = model.model.rotary_emb.inv_freq
+    assert torch.allclose(built.model.rotary_emb.inv_freq, want, rtol=1e-6, atol=0)
+    assert not torch.allclose(want, random_llama(hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
+                                                 rope_theta=500000.0).model.rotary_emb.inv_freq)  # it matters
+    ids = tokens()
+    with torch.no_grad():
+        got, ref = built(ids).logits, model(ids).logits
+    assert torch.equal(got, ref) if exact else torch.allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_llama3_rope_scaling_refuses_divisors_it_cannot_reproduce():
+    from accel.converters.gguf_rope import llama3_rope_scaling, rotary_frequencies
+
+    assert llama3_rope_scaling(np.ones(16), 500000.0, 32) is None
+    with pytest.raises(AccelError, match="holds 15 values"):
+        llama3_rope_scaling(np.ones(15), 500000.0, 32)
+    with pytest.raises(AccelError, match="positive"):
+        llama3_rope_scaling(-np.ones(16), 500000.0, 32)
+    wobbly = np.where(np.arange(16) % 2, 3.0, 1.0)  # no monotone plateau-ramp-plateau shape
+    with pytest.raises(AccelError, match="not a Llama 3 rope scaling"):
+        llama3_rope_scaling(wobbly, 500000.0, 32)
+    assert rotary_frequencies(500000.0, 32).dtype == np.float32
 
 
 def test_refuses_unsupported_gguf_architecture(tmp_path):

@@ -37,6 +37,7 @@ _LLAMA_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "
 # GGUF architecture -> (model_type, the transformers class), as config.json names them.
 HF_ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
                     "qwen3": ("qwen3", "Qwen3ForCausalLM")}
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's Llama 3 rope scaling, one divisor per rotary frequency
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 _TOP_RE = re.compile(r"([a-z_]+)\.(weight|bias)")
 
@@ -171,6 +172,9 @@ class GGUFSource(ModelSource):
             "rope_theta": _float32_shortest(self._meta("rope.freq_base", 10000.0)),
             "tie_word_embeddings": "output.weight" not in names,
         }
+        scaling = self._rope_scaling(config["rope_theta"], int(head_dim))
+        if scaling is not None:
+            config["rope_scaling"] = scaling
         block_biases = {n.split(".")[2] for n in names if n.startswith("blk.") and n.endswith(".bias")}
         if arch in ("llama", "qwen3"):  # qwen2's q/k/v biases are part of its class, not of its config
             config["attention_bias"] = bool(block_biases & {"attn_q", "attn_k", "attn_v", "attn_output"})
@@ -188,11 +192,27 @@ class GGUFSource(ModelSource):
                 config[hf_key] = int(value)
         return config
 
+    def _rope_scaling(self, theta: float, head_dim: int) -> dict[str, Any] | None:
+        """Llama 3's rope scaling, from the divisors llama.cpp stores in place of its parameters (gguf_rope.py)."""
+        import gguf
+
+        from accel.converters.gguf_rope import llama3_rope_scaling
+
+        t = self._tensors.get(ROPE_FREQS)
+        if t is None:
+            return None
+        if self.architecture != "llama":
+            raise AccelError(f"{self.path}: {ROPE_FREQS} in a {self.architecture} GGUF file is not supported")
+        try:
+            divisors = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float64)
+        except Exception as err:
+            raise FormatError(f"{self.path}: cannot read {ROPE_FREQS}: {one_line(err)}") from err
+        try:
+            return llama3_rope_scaling(divisors, theta, head_dim)
+        except AccelError as err:
+            raise AccelError(f"{self.path}: {err}") from None
+
     def _hf_name(self, gguf_name: str) -> str:
-        if gguf_name == "rope_freqs.weight":
-            raise AccelError(
-                f"{self.path}: llama3-style rope frequency scaling (rope_freqs.weight) is not supported yet"
-            )
         block = {**_LLAMA_BLOCK, **_QK_NORMS} if self.architecture == "qwen3" else _LLAMA_BLOCK
         match = _BLOCK_RE.fullmatch(gguf_name)
         if match and match.group(2) in block:
@@ -210,6 +230,8 @@ class GGUFSource(ModelSource):
         cfg = self.config
         entries: dict[str, _Entry] = {}
         for gguf_name, t in self._tensors.items():
+            if gguf_name == ROPE_FREQS:  # part of the config (rope_scaling), not a model tensor
+                continue
             hf_name = self._hf_name(gguf_name)
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             qk_heads = None
