@@ -198,9 +198,53 @@ def test_an_expert_without_calibration_inputs_is_named():
     recorded = {"model.layers.0.mlp.experts.gate_up_proj.0": "k"}
     assert _hessian_name("model.layers.0.mlp.experts.0.up_proj.weight", names, QuantizeSettings(weights="gptq4"),
                          recorded) == "model.layers.0.mlp.experts.gate_up_proj.0"
-    with pytest.raises(AccelError, match=r"expert 1 of model.layers.0.mlp.experts.gate_up_proj\): no calibration"):
-        _hessian_name("model.layers.0.mlp.experts.1.gate_proj.weight", names, QuantizeSettings(weights="gptq4"),
+    # expert 1 was never routed to: rounded to nearest; down_proj has no expert recorded (an old calibration): refused
+    assert _hessian_name("model.layers.0.mlp.experts.1.gate_proj.weight", names, QuantizeSettings(weights="gptq4"),
+                         recorded) == "unreached:model.layers.0.mlp.experts.gate_up_proj.1"
+    with pytest.raises(AccelError, match=r"expert 1 of model.layers.0.mlp.experts.down_proj\): no calibration"):
+        _hessian_name("model.layers.0.mlp.experts.1.down_proj.weight", names, QuantizeSettings(weights="gptq4"),
                       recorded)
+
+
+def test_experts_no_token_reached_are_rounded_to_nearest(capsys, tmp_path, text_file):
+    """gptq/leech refused a model whose calibration left an expert without routed tokens (common with many
+    experts and few samples); such an expert is now quantized with an identity Hessian (round to nearest: its
+    layer's pooled Hessians measured worse, docs/architecture.md), said once on stderr, and the output verifies and
+    evaluates."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from accel.calibrate.hessians import HessianStore, recorded_experts
+
+    model = tmp_path / "mixtral8"
+    torch.manual_seed(1)
+    config = MixtralConfig(vocab_size=320, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=1,
+                           max_position_embeddings=256)
+    MixtralForCausalLM(config).save_pretrained(model)
+    for f in make_tiny_llama(tmp_path / "tok").glob("tokenizer*"):
+        shutil.copy(f, model / f.name)
+    calib = tmp_path / "cal"  # 4 tokens, top-1 of 8 experts: at least 4 experts of each layer never reached
+    assert run(capsys, "calibrate", model, "--for", "weights", "--data", text_file, "--out", calib, "--samples", "1",
+               "--seq-len", "4")[0] == 0
+    store = HessianStore(calib)
+    param = "model.layers.1.mlp.experts.gate_up_proj"
+    reached = recorded_experts(param, store.key_of)
+    assert 1 <= len(reached) <= 4
+    unreached = next(e for e in range(8) if f"{param}.{e}" not in reached)
+    np.testing.assert_array_equal(store.get(f"unreached:{param}.{unreached}", 48), np.eye(48))
+    out = tmp_path / "q"
+    code, stdout, err = run(capsys, "quantize", model, "--weights", "gptq3", "--calib", calib, "--out", out, "--json")
+    assert code == 0, err
+    assert "got no calibration token" in err and "rounded to nearest" in err
+    assert any("got no calibration token" in w for w in json.loads(stdout)["warnings"])
+    code, stdout, _ = run(capsys, "inspect", out, "--json")
+    tensors = {t["name"]: t for t in json.loads(stdout)["tensors"]}
+    assert tensors[f"model.layers.1.block_sparse_moe.experts.{unreached}.w1.weight"]["codec"] != "raw"
+    code, stdout, err = run(capsys, "verify", out, "--reference", model, "--json")
+    assert code == 0 and json.loads(stdout)["ok"], err
+    code, stdout, err = run(capsys, "eval", out, "--data", text_file, "--windows", "2", "--seq-len", "32",
+                            "--reference", model, "--json")
+    assert code == 0 and np.isfinite(json.loads(stdout)["delta_nll"]), err
 
 
 def test_kimi_linear_in_its_published_names(capsys, kimi_published, tmp_path, text_file):

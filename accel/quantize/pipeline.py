@@ -156,7 +156,7 @@ def _plan_tensors(source: Any, names: list[str], method: WeightMethod | None, se
 def _hessian_name(name: str, model_names: NameMap, settings: QuantizeSettings, recorded: dict[str, str]) -> str:
     """The name calibration recorded a checkpoint tensor's Hessian under: its nn.Linear's in the model's names, or
     for one expert of a fused experts parameter `<parameter>.<expert>` (accel.calibrate.hessians.expert_key)."""
-    from accel.calibrate.hessians import expert_key
+    from accel.calibrate.hessians import expert_key, recorded_experts, unreached_key
 
     model_name = model_names.model_name(name)
     if model_name is not None:
@@ -166,11 +166,27 @@ def _hessian_name(name: str, model_names: NameMap, settings: QuantizeSettings, r
         raise AccelError(f"--weights {settings.weights} needs the inputs of '{name}', a part of a merged parameter "
                          f"that calibration does not record; use a method without calibration (rtn, hqq)")
     key = expert_key(*expert)
-    if key not in recorded:
-        raise AccelError(f"--calib has no inputs for '{name}' (expert {expert[1]} of {expert[0]}): no calibration "
-                         f"token was routed to it, or the calibration predates expert Hessians (2026-12-07); "
-                         f"calibrate again with more --samples")
-    return key
+    if key in recorded:
+        return key
+    if recorded_experts(expert[0], recorded):  # no token was routed to this expert: round to nearest
+        return unreached_key(*expert)
+    raise AccelError(f"--calib has no inputs for '{name}' (expert {expert[1]} of {expert[0]}): no calibration token "
+                     f"reached any expert of it, or the calibration predates expert Hessians (2026-12-07); "
+                     f"calibrate again")
+
+
+def unreached_warnings(quantized: dict[str, str | None], model_names: NameMap) -> list[str]:
+    """One line for the experts no calibration token reached, quantized as with an identity Hessian."""
+    from accel.calibrate.hessians import UNREACHED_PREFIX
+
+    experts = sorted({model_names.expert_of(n) for n, key in quantized.items()
+                      if key is not None and key.startswith(UNREACHED_PREFIX)})
+    if not experts:
+        return []
+    first = f"expert {experts[0][1]} of {experts[0][0]}" + (", ..." if len(experts) > 1 else "")
+    line = (f"{len(experts)} expert projection(s) got no calibration token ({first}): rounded to nearest (an "
+            f"identity Hessian); calibrate with more --samples to give each its own")
+    return [line]
 
 
 def check_source_loads(model: str, source: Any) -> None:
@@ -237,6 +253,7 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
             check_calibration_model(Path(settings.calib), hashes)
         names = source.tensor_names()
         model_names, quantized = _plan_tensors(source, names, method, settings, hessians)
+        warnings += unreached_warnings(quantized, model_names)
         with output_dir(Path(out), force, inputs=inputs + [Path(model), source.path] + calib) as tmp:
             progress.stage(f"quantizing ({settings.weights or 'weights kept'})", len(names))
             results: dict[str, Any] = {}
