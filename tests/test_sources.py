@@ -614,3 +614,14 @@ def test_a_grid_that_does_not_reproduce_the_values_keeps_them_raw():
     x = np.linspace(0, 1.5, 64, dtype=np.float32).reshape(2, 32)  # 64 values, 16 levels a row: not all on it
     entry, _ = keep_tensor(Source(), "w", x)
     assert entry.codec == "raw" and entry.role == "kept"
+
+
+def test_a_gguf_file_without_a_tokenizer_is_quantized_with_a_warning(capsys, tiny_gguf, tmp_path):
+    """A GGUF file without tokenizer metadata failed after the whole quantization (saving its tokenizer), where a
+    directory without tokenizer files is written with a warning: now both are."""
+    from test_cli import run
+
+    code, out, err = run(capsys, "quantize", tiny_gguf[0], "--weights", "rtn4", "--out", tmp_path / "q", "--json")
+    assert code == 0 and "carries no tokenizer" in err and "Traceback" not in err
+    assert "eval, generate and verify refuse it" in json.loads(out)["warnings"][0]
+    assert (tmp_path / "q" / "config.json").is_file() and not list((tmp_path / "q").glob("tokenizer*"))

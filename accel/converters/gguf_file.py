@@ -329,7 +329,11 @@ class GGUFSource(ModelSource):
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_bytes(config_json_bytes(self.config))
-        self.load_tokenizer().save_pretrained(str(out_dir))
+        try:
+            tokenizer = self.load_tokenizer()
+        except AccelError:  # a file without a tokenizer quantizes as a directory without one does (a warning)
+            return
+        tokenizer.save_pretrained(str(out_dir))
 
     def close(self) -> None:
         self._tensors = {}
