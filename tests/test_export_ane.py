@@ -136,25 +136,31 @@ def _reference(path: Path):
     return src, ref
 
 
+IDS = torch.tensor([[5, 9, 77, 3, 60, 12, 8, 1, 33, 2]])
+
+
+def _ane_logits(model, ids: torch.Tensor = IDS) -> list[np.ndarray]:
+    """The ANE model's logits for `ids` three ways: one prefill, token-by-token decode, two chunks (6 + rest)."""
+    n = ids.shape[1]
+    with torch.no_grad():
+        full = logits_from_pieces(model(ids.int(), torch.arange(n, dtype=torch.int32)[None]))
+        model.reset_cache()
+        steps = [logits_from_pieces(model(ids[:, i:i + 1].int(), torch.tensor([[i]], dtype=torch.int32)))
+                 for i in range(n)]
+        model.reset_cache()
+        first = logits_from_pieces(model(ids[:, :6].int(), torch.arange(6, dtype=torch.int32)[None]))
+        rest = logits_from_pieces(model(ids[:, 6:].int(), torch.arange(6, n, dtype=torch.int32)[None]))
+    return [full, np.concatenate(steps), np.concatenate([first, rest])]
+
+
 @pytest.mark.parametrize("which", ["untied", "tied"])
 def test_ane_llama_matches_transformers_prefill_decode_and_chunks(request, which):
     src, ref = _reference(request.getfixturevalue(which))
-    dims = llama_dims(src.config)
-    model = build_ane_llama(dims, 32, src.load_tensor)
-    ids = torch.tensor([[5, 9, 77, 3, 60, 12, 8, 1, 33, 2]])
+    model = build_ane_llama(llama_dims(src.config), 32, src.load_tensor)
     with torch.no_grad():
-        want = ref(ids).logits[0].numpy()
-        full = logits_from_pieces(model(ids.int(), torch.arange(10, dtype=torch.int32)[None]))
-        model.reset_cache()
-        steps = [logits_from_pieces(model(ids[:, i:i + 1].int(), torch.tensor([[i]], dtype=torch.int32)))
-                 for i in range(10)]
-        model.reset_cache()
-        first = logits_from_pieces(model(ids[:, :6].int(), torch.arange(6, dtype=torch.int32)[None]))
-        rest = logits_from_pieces(model(ids[:, 6:].int(), torch.arange(6, 10, dtype=torch.int32)[None]))
-    scale = np.abs(want).max()
-    assert np.abs(full - want).max() < 1e-5 * scale
-    assert np.abs(np.concatenate(steps) - want).max() < 1e-5 * scale
-    assert np.abs(np.concatenate([first, rest]) - want).max() < 1e-5 * scale
+        want = ref(IDS).logits[0].numpy()
+    for got in _ane_logits(model):
+        assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()
 
 
 @pytest.mark.parametrize("variant", sorted(FAMILY))
@@ -169,21 +175,13 @@ def test_llama_family_variants_match_transformers(tmp_path, variant):
               "qwen3": (("q", "k", "v", "o"), True, (None, 3, 3)),
               "llama-biases": (("q", "k", "v", "o", "gate", "up", "down"), False, (None, None, None))}
     assert (dims.biases, dims.qk_norm, dims.windows) == expect[variant]
-    ids = torch.tensor([[5, 9, 77, 3, 60, 12, 8, 1, 33, 2]])
     model = build_ane_llama(dims, 32, src.load_tensor)
+    unwindowed = build_ane_llama(dataclasses.replace(dims, windows=()), 32, src.load_tensor)
     with torch.no_grad():
-        want = ref(ids).logits[0].numpy()
-        full = logits_from_pieces(model(ids.int(), torch.arange(10, dtype=torch.int32)[None]))
-        model.reset_cache()
-        steps = [logits_from_pieces(model(ids[:, i:i + 1].int(), torch.tensor([[i]], dtype=torch.int32)))
-                 for i in range(10)]
-        model.reset_cache()
-        first = logits_from_pieces(model(ids[:, :6].int(), torch.arange(6, dtype=torch.int32)[None]))
-        rest = logits_from_pieces(model(ids[:, 6:].int(), torch.arange(6, 10, dtype=torch.int32)[None]))
-        unwindowed = build_ane_llama(dataclasses.replace(dims, windows=()), 32, src.load_tensor)
-        no_window = logits_from_pieces(unwindowed(ids.int(), torch.arange(10, dtype=torch.int32)[None]))
+        want = ref(IDS).logits[0].numpy()
+        no_window = logits_from_pieces(unwindowed(IDS.int(), torch.arange(10, dtype=torch.int32)[None]))
     scale = np.abs(want).max()
-    for got in (full, np.concatenate(steps), np.concatenate([first, rest])):
+    for got in _ane_logits(model):
         assert np.abs(got - want).max() < 1e-5 * scale
     assert (np.abs(no_window - want).max() > 1e-4 * scale) == any(dims.windows)  # 10x the agreement above
 
