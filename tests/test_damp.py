@@ -213,6 +213,9 @@ def test_quantize_and_eval_damp_map(capsys, gdn_calib, tmp_path, text_file):
     np.testing.assert_allclose(two["window_nll"], one["window_nll"], atol=1e-3)
     code, _, err = run(capsys, "eval", out, "--data", text_file, "--windows", "1", "--seq-len", "24", "--batch", "0")
     assert_one_line_error(code, err, 2, "--batch must be at least 1")
+    # --kernels on an OUT_DIR whose weights are all kept ran densely and reported "kernels": true (audit, 2026-12-07)
+    code, _, err = run(capsys, "generate", out, "--prompt", "hi", "--tokens", "2", "--kernels")
+    assert_one_line_error(code, err, 2, "holds none (its weights are kept in source precision)")
 
 
 def _assert_refused_with_other_heads(capsys, out, text_file):

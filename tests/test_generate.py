@@ -106,6 +106,21 @@ def test_cli_bad_input_is_one_line(capsys, tiny_llama, args, message):
     assert code == 2 and len(lines) == 1 and message in lines[0] and "Traceback" not in err
 
 
+def test_generation_may_fill_every_position(capsys, tiny_llama):
+    """The last new token is returned, never fed back: prompt + tokens - 1 positions are read, so a request that
+    ends exactly at the limit runs (it was refused one token early)."""
+    from transformers import AutoTokenizer
+
+    prompt = "x " * 230
+    n = len(AutoTokenizer.from_pretrained(str(tiny_llama))(prompt)["input_ids"])
+    assert n < 512
+    args = ["--prompt", prompt, "--ignore-eos", "--json"]
+    code, out, err = run(capsys, "generate", tiny_llama, *args, "--tokens", str(512 - n + 1))
+    assert code == 0 and json.loads(out)["tokens"] == 512 - n + 1, err
+    code, _, err = run(capsys, "generate", tiny_llama, *args, "--tokens", str(512 - n + 2))
+    assert code == 2 and "exceed the model's 512 positions" in err
+
+
 def test_cli_empty_prompt_is_refused(capsys, tiny_llama):
     code, _, err = run(capsys, "generate", tiny_llama, "--prompt", "")
     assert code == 2 and "--prompt is empty" in err

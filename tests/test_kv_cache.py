@@ -224,3 +224,70 @@ def test_pre_rope_keys_fit_per_channel_ranges_better():
         cache.update(post16, post16, 0)
         errors[theta] = float((cache.layers[0].keys - post16).abs().mean())
     assert errors[10000.0] < 0.5 * errors[0.0]
+
+
+# found by a black-box audit of the runtime caches (2026-12-07)
+
+def test_hqq_group_size_and_a_model_none_fits():
+    """`--kv hqq:2` on 1 KV head of 10 channels was a traceback (max() of nothing): refused, naming why."""
+    from accel.errors import AccelError
+    from accel.quantize.maps import parse_spec
+    from accel.runtime.kv_baselines import hqq_group
+
+    assert hqq_group(3, 64, 4) == 32 and hqq_group(3, 64, 2) == 16 and hqq_group(1, 10, 2) is None
+    pytest.importorskip("hqq")
+    config = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
+              "hidden_size": 40}
+    method, arg = parse_spec("kv", "hqq:2")
+    with pytest.raises(AccelError, match="HQQ packs 4 groups in a row, and no group size"):
+        method.from_eval_spec(arg, config)
+    assert method.from_eval_spec("4", config).params["bits"] == 4  # 2 groups a row: a head of 10 in groups of 5
+
+
+def test_quanto_bytes_per_sequence_do_not_depend_on_the_batch():
+    """quanto packs 2-bit rows four to a byte across the whole batch, so the padding a sequence pays depended on
+    how many were decoded beside it (eval --batch): counted per sequence."""
+    pytest.importorskip("optimum.quanto")
+    from transformers import LlamaConfig, QuantizedCache
+
+    from accel.runtime.kv_baselines import tensor_bytes
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
+                         vocab_size=10)
+    per_sequence = []
+    for batch in (1, 2, 3):
+        cache = QuantizedCache("quanto", config, nbits=2, axis_key=0, axis_value=0, q_group_size=16,
+                               residual_length=4)
+        keys = torch.randn(batch, 2, 9, 16, generator=torch.Generator().manual_seed(0))
+        cache.update(keys, keys, 0)
+        quantized = cache.layers[0]._quantized_keys
+        per_sequence.append(tensor_bytes(quantized, batch) / batch)
+        if batch > 1:  # the batch's own packing pads once for all sequences: fewer bytes than each alone
+            assert tensor_bytes(quantized) < tensor_bytes(quantized, batch)
+    assert per_sequence[0] == per_sequence[1] == per_sequence[2]
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("turbo:8,sink=1,sink=2", "option sink is given twice"),
+    ("affine:8,window=4,window=4", "option window is given twice"),
+    ("quanto:4,residual=8,residual=16", "option residual is given twice"),
+])
+def test_a_kv_option_given_twice_is_refused(spec, message):
+    """The last one won silently."""
+    pytest.importorskip("optimum.quanto")
+    from accel.errors import AccelError
+    from accel.quantize.maps import parse_spec
+
+    config = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "hidden_size": 64}
+    method, arg = parse_spec("kv", spec)
+    with pytest.raises(AccelError, match=message):
+        method.from_eval_spec(arg, config)
+
+
+def test_a_damp_option_given_twice_is_refused():
+    from accel.errors import AccelError
+    from accel.quantize.damp import parse_damp_arg
+
+    with pytest.raises(AccelError, match="option rank is given twice"):
+        parse_damp_arg("9.5,rank=energy,rank=persistence")

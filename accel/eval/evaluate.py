@@ -73,10 +73,22 @@ def evaluate(spec: str | Path, settings: EvalSettings, progress: Progress = SILE
 
 
 def check_kernels_spec(spec: str | Path, kernels: bool) -> None:
-    """--kernels needs an OUT_DIR (checked before any model work)."""
-    if kernels and not is_accel_output(spec):
+    """--kernels needs an OUT_DIR with quantized weights (checked before any model work, from the headers)."""
+    if not kernels:
+        return
+    if not is_accel_output(spec):
         raise AccelError("--kernels serves an accel OUT_DIR's quantized weights; a source model has none (drop "
                          "--kernels, or pass an OUT_DIR of accel quantize)")
+    from accel.formats import Artifact
+
+    artifact = Artifact(Path(spec))
+    try:
+        quantized = any(artifact.entry(name).role == "quantized" for name in artifact.names)
+    finally:
+        artifact.close()
+    if not quantized:
+        raise AccelError(f"--kernels serves an accel OUT_DIR's quantized weights; {spec} holds none (its weights "
+                         f"are kept in source precision): drop --kernels")
 
 
 def map_runtime(loaded: Any, kv: str | None, state: str | None) -> tuple[Any, dict[str, Any]]:

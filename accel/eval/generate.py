@@ -99,7 +99,8 @@ def generate(spec: str | Path, settings: GenerateSettings, progress: Progress = 
     if not prompt_ids:
         raise AccelError("--prompt gives no tokens with this model's tokenizer")
     limit = max_positions(loaded.config)
-    if limit is not None and len(prompt_ids) + settings.tokens > limit:
+    # the last new token is returned, never fed back: the model reads prompt + tokens - 1 positions
+    if limit is not None and len(prompt_ids) + settings.tokens - 1 > limit:
         raise AccelError(f"the prompt's {len(prompt_ids)} tokens and --tokens {settings.tokens} exceed the model's "
                          f"{limit} positions")
     runtime, map_report = map_runtime(loaded, settings.kv, settings.state)

@@ -74,6 +74,8 @@ def parse_damp_arg(arg: str | None) -> DampSpec:
             except ValueError:
                 raise AccelError(f"--state damp:{arg}: {item!r} is not a number of bits per value") from None
             continue
+        if key in fields:
+            raise AccelError(f"--state damp:{arg}: option {key} is given twice")
         if key == "rank":
             if value not in RANKINGS:
                 raise AccelError(f"--state damp: rank={value!r}; choose from {', '.join(RANKINGS)}")

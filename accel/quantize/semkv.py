@@ -231,6 +231,8 @@ def _parse_options(text: str | None, flag: str) -> tuple[str | None, dict[str, i
         key, _, value = item.partition("=")
         if key not in OPTION_KEYS:
             raise AccelError(f"{flag}: unknown option {key!r} (known: {', '.join(OPTION_KEYS)})")
+        if key in options:
+            raise AccelError(f"{flag}: option {key} is given twice")
         try:
             options[key] = int(value)
         except ValueError:

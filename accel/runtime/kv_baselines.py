@@ -60,22 +60,41 @@ def _int_arg(text: str, flag: str, allowed: tuple[int, ...]) -> int:
     return value
 
 
-def tensor_bytes(obj: Any) -> int:
-    """Bytes of every tensor reachable from obj, floating-point elements counted at 2 bytes."""
+def tensor_bytes(obj: Any, batch: int = 1) -> int:
+    """Bytes of every tensor reachable from obj, floating-point elements counted at 2 bytes. A sub-byte packed
+    tensor (quanto's PackedTensor: `rows` logical rows of `bits` each in ceil(rows * bits / 8) bytes a column,
+    sequences of a batch one after another) is counted as if each of its `batch` sequences were packed alone: the
+    bytes one sequence holds do not depend on how many are decoded beside it."""
     if obj is None:
         return 0
     if isinstance(obj, torch.Tensor):
+        bits = getattr(obj, "_bits", None)
+        if isinstance(bits, int) and bits < 8 and obj.dim() >= 1 and obj.shape[0] % batch == 0:
+            per_sequence = -(-(obj.shape[0] // batch) * bits // 8)
+            return batch * per_sequence * (obj.numel() // obj.shape[0]) * obj._data.element_size()
         flatten = getattr(type(obj), "__tensor_flatten__", None)
         if flatten is not None and type(obj) is not torch.Tensor:
             names, _ = obj.__tensor_flatten__()
-            return sum(tensor_bytes(getattr(obj, n)) for n in names)
+            return sum(tensor_bytes(getattr(obj, n), batch) for n in names)
         size = 2 if obj.is_floating_point() else obj.element_size()
         return obj.numel() * size
     if isinstance(obj, dict):
-        return sum(tensor_bytes(v) for v in obj.values())
+        return sum(tensor_bytes(v, batch) for v in obj.values())
     if isinstance(obj, (list, tuple)):
-        return sum(tensor_bytes(v) for v in obj)
+        return sum(tensor_bytes(v, batch) for v in obj)
     return 0
+
+
+# HQQ packs rows of this many quantization groups (8 / bits at 2 and 4 bits).
+HQQ_ROW_GROUPS = {1: 8, 2: 4, 3: 10, 4: 2, 8: 1}
+
+
+def hqq_group(kv_heads: int, head_dim: int, bits: int) -> int | None:
+    """The largest divisor of the head dim giving a multiple of HQQ's row of groups per token (32 and 16 channels
+    for 3 heads x 64); None when there is none (1 head of 10 at 2 bits)."""
+    fits = [g for g in range(1, head_dim + 1)
+            if head_dim % g == 0 and (kv_heads * head_dim // g) % HQQ_ROW_GROUPS[bits] == 0]
+    return max(fits) if fits else None
 
 
 class _TransformersRuntime(Runtime):
@@ -90,23 +109,21 @@ class _TransformersRuntime(Runtime):
         cache, self._current = self._current, None
         if cache is None:
             return
+        first = cache.layers[0]
+        batch = first.keys.shape[0] if first.keys is not None else 1
         for layer in cache.layers:
             if not getattr(layer, "is_initialized", False):
                 continue
-            self.bytes["quantized"] += tensor_bytes(layer._quantized_keys) + tensor_bytes(layer._quantized_values)
+            self.bytes["quantized"] += (tensor_bytes(layer._quantized_keys, batch)
+                                        + tensor_bytes(layer._quantized_values, batch))
             self.bytes["fp16"] += tensor_bytes(layer.keys) + tensor_bytes(layer.values)
-        first = cache.layers[0]
-        self.tokens += first.get_seq_length() * (first.keys.shape[0] if first.keys is not None else 1)
+        self.tokens += first.get_seq_length() * batch
 
     def group(self) -> int:
-        """One head per group; HQQ packs rows of groups 8/BITS at a time (2 at 4 bits, 4 at 2 bits), so it gets
-        the largest divisor of the head dim giving a multiple of that many groups per token (32 and 16 channels
-        for 3 heads x 64)."""
+        """One head per group; for HQQ, `hqq_group` (from_eval_spec refused a model without one)."""
         if self.backend != "hqq":
             return self.head_dim
-        multiple = {1: 8, 2: 4, 3: 10, 4: 2, 8: 1}[self.bits]
-        return max(g for g in range(1, self.head_dim + 1)
-                   if self.head_dim % g == 0 and (self.kv_heads * self.head_dim // g) % multiple == 0)
+        return hqq_group(self.kv_heads, self.head_dim, self.bits)
 
     def make_cache(self):
         from transformers import QuantizedCache
@@ -141,17 +158,23 @@ class _TransformersMethod(MapMethod):
         if not head:
             raise AccelError(f"{flag} needs a bit width, for example {flag}:4")
         bits = _int_arg(head, flag, self.allowed_bits)
-        residual = 32
+        residual = None
         for item in options:
             key, _, value = item.partition("=")
             if key != "residual":
                 raise AccelError(f"{flag}: unknown option {key!r} (known: residual)")
+            if residual is not None:
+                raise AccelError(f"{flag}: option residual is given twice")
             residual = _int_arg(value, f"{flag} residual", tuple(range(1, 4097)))
         if importlib.util.find_spec(self.backend_module) is None:
             raise AccelError(f"{flag} needs the {self.backend_module} package, which is not installed")
         layers, kv_heads, head_dim = model_kv_shape(config)
-        return StoredMap("kv", self.name, {"bits": bits, "residual": residual, "layers": layers,
-                                           "kv_heads": kv_heads, "head_dim": head_dim}, {})
+        if self.backend == "hqq" and hqq_group(kv_heads, head_dim, bits) is None:
+            raise AccelError(f"{flag}:{bits}: HQQ packs {HQQ_ROW_GROUPS[bits]} groups in a row, and no group size of "
+                             f"this model's {kv_heads} KV heads x {head_dim} channels gives a whole number of rows "
+                             f"per token (use another --kv)")
+        return StoredMap("kv", self.name, {"bits": bits, "residual": 32 if residual is None else residual,
+                                           "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim}, {})
 
     def check(self, stored: StoredMap, config: dict[str, Any]) -> None:
         p = stored.params
