@@ -310,7 +310,7 @@ def test_a_qwen3_next_checkpoint_through_damp(capsys, qwen3_next, tmp_path, text
     _assert_builds_as_transformers_loads_it(qwen3_next)
     calib, out = tmp_path / "cal", tmp_path / "q"
     assert run(capsys, "calibrate", qwen3_next, "--for", "state", "--data", text_file, "--out", calib,
-               "--samples", "2", "--seq-len", "32")[0] == 0
+               "--samples", "2", "--seq-len", "40")[0] == 0
     code, _, err = run(capsys, "quantize", qwen3_next, "--weights", "rtn4", "--state", "damp", "--calib", calib,
                        "--out", out)
     assert code == 0, err

@@ -175,11 +175,16 @@ def test_a_calibration_of_other_weights_with_the_same_shapes_is_refused(capsys, 
     assert run(capsys, "quantize", model, "--weights", "gptq4", "--calib", calib, "--out", tmp_path / "y")[0] == 0
     manifest = calib / "calibration.json"
     for damaged, message in [(manifest.read_bytes()[:-40], "calibration.json cannot be read (JSONDecodeError)"),
-                             (b"[1, 2]", "calibration.json is not a JSON object")]:
-        manifest.write_bytes(damaged)  # the model check must not be skipped quietly
-        code, _, err = run(capsys, "quantize", model, "--weights", "gptq4", "--calib", calib, "--out", tmp_path / "z")
-        assert_one_line_error(code, err, 2, message)
-        assert not (tmp_path / "z").exists()
+                             (b"[1, 2]", "calibration.json is not a JSON object"), (None, "no calibration.json")]:
+        if damaged is None:  # a copy of the calibration without it was taken for the twin (audit, 2026-12-07)
+            manifest.unlink()
+        else:
+            manifest.write_bytes(damaged)  # the model check must not be skipped quietly
+        for target in (model, twin):
+            code, _, err = run(capsys, "quantize", target, "--weights", "gptq4", "--calib", calib, "--out",
+                               tmp_path / "z")
+            assert_one_line_error(code, err, 2, message)
+            assert not (tmp_path / "z").exists()
 
 
 def test_data_and_calib_that_are_not_what_they_should_be_are_named(capsys, model, tmp_path):
@@ -190,6 +195,10 @@ def test_data_and_calib_that_are_not_what_they_should_be_are_named(capsys, model
     code, _, err = run(capsys, "quantize", model, "--weights", "gptq4", "--calib", tmp_path / "nocal", "--out",
                        tmp_path / "x")
     assert_one_line_error(code, err, 2, "nocal: no such directory")
+    (tmp_path / "afile").write_text("x")
+    code, _, err = run(capsys, "quantize", model, "--weights", "gptq4", "--calib", tmp_path / "afile", "--out",
+                       tmp_path / "x")
+    assert_one_line_error(code, err, 2, "afile: not a directory")
 
 
 def test_a_termination_a_finalizer_swallowed_stops_at_the_next_progress_step(capsys, model, tmp_path, monkeypatch):
@@ -555,3 +564,60 @@ def test_verify_against_another_models_reference_is_bad_input(capsys, model, tmp
     code, stdout, _ = run(capsys, "verify", out, "--reference", same_shape, "--json")
     report = json.loads(stdout)
     assert code == 0 and report["ok"] and report["max_rel_error"] > 0.5  # other weights: compared, far off
+
+
+# found by a black-box audit of calibrate and the calibrated maps (2026-12-07)
+
+def test_verify_names_a_calibration_kind_whose_container_is_gone(capsys, model, tmp_path, text_file):
+    """verify said ok with weights/model.safetensors removed (quantize then refused the calibration)."""
+    calib = tmp_path / "calib"
+    assert run(capsys, "calibrate", model, "--for", "weights,kv", "--data", text_file, "--out", calib,
+               "--samples", "2", "--seq-len", "32")[0] == 0
+    (calib / "weights" / "model.safetensors").unlink()
+    code, out, _ = run(capsys, "verify", calib, "--json")
+    report = json.loads(out)
+    assert code == 1 and report["errors"] == [
+        "weights/: no container (*.safetensors), though calibration.json lists --for weights"]
+
+
+def test_quantize_options_that_would_change_nothing_are_refused(capsys, model, tmp_path, text_file):
+    """They were recorded in accel.json as if applied."""
+    calib = tmp_path / "calib"
+    assert run(capsys, "calibrate", model, "--for", "weights", "--data", text_file, "--out", calib,
+               "--samples", "2", "--seq-len", "32")[0] == 0
+    out = tmp_path / "o"
+    for argv, message in [(["--weights", "rtn4", "--calib", calib], "reads no calibration"),
+                          (["--weights", "leech2", "--group", "32"], "drop --group"),
+                          (["--kv", "semkv", "--layout", "planes", "--calib", calib], "--layout shapes quantized"),
+                          (["--kv", "semkv", "--group", "32", "--calib", calib], "--group shapes quantized")]:
+        code, _, err = run(capsys, "quantize", model, *argv, "--out", out)
+        assert_one_line_error(code, err, 2, message)
+        assert not out.exists()
+    assert run(capsys, "quantize", model, "--weights", "leech2", "--calib", calib, "--out", out)[0] == 0
+
+
+def test_a_state_calibration_of_windows_that_never_read_the_state_is_refused(capsys, tmp_path, text_file):
+    """--seq-len 33 recorded all-zero sensitivities (NaN in calibration.json), and a water map ranked by them cost
+    0.5 nats a token; a map is also refused from statistics that rank nothing."""
+    import numpy as np
+
+    from accel.errors import AccelError
+    from accel.quantize.damp import parse_damp_arg, risk_score, water_weights
+
+    code, _, err = run(capsys, "calibrate", "tiny-gdn", "--for", "state", "--data", text_file, "--out",
+                       tmp_path / "c", "--samples", "2", "--seq-len", "33")
+    assert_one_line_error(code, err, 2, "--seq-len must be at least 34, got 33")
+    energy, persistence = np.ones((1, 2, 4)), np.ones((1, 2, 4))
+    with pytest.raises(AccelError, match="sensitivities are all zero"):
+        water_weights({"energy": energy, "persistence": persistence, "sensitivity": np.zeros((1, 2, 4))},
+                      "sensitivity")
+    with pytest.raises(AccelError, match="error energies hold NaN"):
+        risk_score(np.full((1, 2, 4), np.nan), persistence, "both")
+    assert parse_damp_arg("6.25,alloc=water").rank == "sensitivity"  # the ranking the zero sensitivities fed
+
+
+def test_inspect_shows_a_kv_maps_levels():
+    """The text line left out every list parameter, SemKV's LLO/LHI among them (--json had them)."""
+    from accel.cli.inspect_cmd import _param_text
+
+    assert _param_text([4, 8]) == "4/8" and _param_text(0.5) == "0.5" and _param_text(list(range(9))) is None

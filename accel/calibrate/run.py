@@ -105,6 +105,8 @@ def _check_finite_weights(model: Any) -> None:
 def calibrate(model: str, data: Path, out: Path, kinds: list[str], settings: CalibSettings, force: bool = False,
               progress: Progress = SILENT) -> dict[str, Any]:
     """Run the requested kinds on MODEL over DATA into OUT; returns {out, for, windows, tokens, <kind>: report}."""
+    from accel.calibrate.state import SEGMENT
+    from accel.eval.data import check_window_args
     from accel.eval.load import load_causal_lm
     from accel.formats.filehash import file_sha256
     from accel.quantize.pipeline import model_files_sha256
@@ -112,9 +114,18 @@ def calibrate(model: str, data: Path, out: Path, kinds: list[str], settings: Cal
     if not kinds:
         raise AccelError("--for is empty: choose from weights, kv, state")
     runners = {kind: get_kind(kind) for kind in dict.fromkeys(kinds)}
+    check_window_args(settings.seq_len, None)  # before the model is built (seconds)
+    if settings.samples < 1:
+        raise AccelError(f"--samples must be at least 1, got {settings.samples}")
     if "kv" in runners and settings.samples < 2:
         raise AccelError(f"--for kv pairs windows for its bootstrap intervals: --samples must be at least 2, "
                          f"got {settings.samples}")
+    if "state" in runners and settings.seq_len < SEGMENT + 2:
+        # the windows run in segments of SEGMENT tokens, and a segment reads the state of the one before it: a
+        # window no longer than one segment (and the token it predicts) reads no state, so the sensitivity,
+        # quantize's default ranking for water-filled maps, came out all zero
+        raise AccelError(f"--for state reads the recurrent state from token {SEGMENT + 1} on: --seq-len must be at "
+                         f"least {SEGMENT + 2}, got {settings.seq_len}")
     text = read_text(data)
     loaded = load_causal_lm(model, progress)
     check_context(settings.seq_len, loaded.config)
@@ -133,6 +144,6 @@ def calibrate(model: str, data: Path, out: Path, kinds: list[str], settings: Cal
                     "data": {Path(data).name: file_sha256(Path(data))}, "settings": asdict(settings),
                     "tokens": int(windows.size), "windows": len(windows), "reports": without_timings(reports),
                     "files": calibration_files_sha256(tmp)}
-        atomic_write_text(tmp / CALIB_MANIFEST, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        atomic_write_text(tmp / CALIB_MANIFEST, json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False) + "\n")
     return {"out": path_for_report(out), "for": list(runners), "windows": len(windows), "tokens": int(windows.size),
             **reports}

@@ -18,6 +18,16 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
+def _param_text(value) -> str | None:
+    """A map parameter for the text line: scalars as they are, a short list of scalars as a/b (SemKV's levels
+    LLO/LHI); longer or nested values only in --json (None)."""
+    if isinstance(value, list):
+        if len(value) <= 4 and all(isinstance(v, (int, float, str)) for v in value):
+            return "/".join(str(v) for v in value)
+        return None
+    return str(value)
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     def inspect(
@@ -49,6 +59,7 @@ def register(app: typer.Typer) -> None:
         stdout.print(f"total: {_fmt_bytes(report['bytes'])} in {len(report['files'])} file(s), "
                      f"format version {report['format_version']}")
         for kind, m in report["maps"].items():  # each checked by Artifact.map_documents
-            shown = ", ".join(f"{k}={v}" for k, v in sorted(m["params"].items()) if not isinstance(v, (dict, list)))
+            shown = ", ".join(f"{k}={_param_text(v)}" for k, v in sorted(m["params"].items())
+                              if not isinstance(v, dict) and _param_text(v) is not None)
             stdout.print(f"{kind} map: {m['method']} ({shown}); arrays: {', '.join(sorted(m['arrays']))}",
                          markup=False)

@@ -248,6 +248,10 @@ def verify_calibration(path: Path, progress: Progress = SILENT) -> dict[str, Any
         finally:
             container.close()
     progress.close()
-    if not containers:
+    kinds = manifest.get("for") if isinstance(manifest, dict) else None
+    if isinstance(kinds, list):  # each kind calibrate recorded writes its container into its own directory
+        errors += [f"{kind}/: no container (*.safetensors), though {CALIB_MANIFEST} lists --for {kind}"
+                   for kind in kinds if isinstance(kind, str) and not any((path / kind).glob("*.safetensors"))]
+    elif not containers:
         errors.append("no container (*.safetensors) under the calibration directory")
     return {"ok": not errors, "errors": errors, "tensors": tensors, "bytes": total, "kind": "calibration"}

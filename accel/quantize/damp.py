@@ -106,11 +106,24 @@ def _required_sensitivity(sensitivity: np.ndarray | None) -> np.ndarray:
     if sensitivity is None:
         raise AccelError("--state damp: rank=sensitivity needs a calibration with state sensitivities "
                          "(rerun `accel calibrate MODEL --for state`)")
-    return sensitivity
+    return _informative("sensitivities", sensitivity)
+
+
+def _informative(what: str, values: np.ndarray) -> np.ndarray:
+    """A calibration statistic a map is ranked by: finite and not all zero, or the ranking is no ranking (windows
+    of one segment recorded all-zero sensitivities, and a water map built on them cost 0.5 nats a token)."""
+    values = np.asarray(values, dtype=np.float64)
+    if not np.all(np.isfinite(values)):
+        raise AccelError(f"--state damp: the calibration's state {what} hold NaN or Inf: calibrate again")
+    if values.size and not np.any(values > 0):
+        raise AccelError(f"--state damp: the calibration's state {what} are all zero (its windows never read the "
+                         f"recurrent state): calibrate again with a longer --seq-len")
+    return values
 
 
 def risk_score(energy: np.ndarray, persistence: np.ndarray, rank: str, seed: int = 0,
                sensitivity: np.ndarray | None = None) -> np.ndarray:
+    energy, persistence = _informative("error energies", energy), _informative("persistences", persistence)
     if rank == "both":
         return energy * persistence
     if rank == "sensitivity":
@@ -170,7 +183,7 @@ def water_weights(stats: dict[str, np.ndarray], rank: str, seed: int = 0) -> tup
     weight[c] · energy[K, c]. both: persistence × measured energy; sensitivity: the measured gradient sensitivity
     × measured energy; energy: energy alone; persistence / random: that weight × the mean energy curve (the
     channels' own energies ignored, the ablations)."""
-    e8 = stats["energy"]
+    e8 = _informative("error energies", stats["energy"])
     tiers = stats.get("energy_tiers")
     if tiers is None:  # a calibration from before tier energies were recorded: the 4^-K model from INT8's energy
         tiers = np.stack([e8 * 4.0 ** (8 - k) for k in WATER_BITS])

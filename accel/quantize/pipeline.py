@@ -49,10 +49,12 @@ def model_files_sha256(files: list[Path]) -> dict[str, str]:
 
 def check_calibration_model(calib: Path, files_sha256: dict[str, str]) -> None:
     """Refuse a calibration recorded on other model files (older calibrations record none and are not checked), and
-    one whose manifest is there but damaged (not a JSON object), which would otherwise skip that check."""
+    one whose manifest is missing or damaged (not a JSON object), which would otherwise skip that check: a copy of
+    model A's calibration without its manifest was taken for model B of the same shapes."""
     path = Path(calib) / CALIB_MANIFEST
     if not path.is_file():
-        return  # a directory that is no calibration at all is refused by the Hessian or map reader that needs it
+        raise AccelError(f"--calib {calib}: no {CALIB_MANIFEST} (not a directory accel calibrate wrote, or a damaged "
+                         f"one; without it the calibration's model cannot be checked): run accel calibrate again")
     try:
         doc = jsontext.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -92,14 +94,26 @@ def _check_settings(settings: QuantizeSettings) -> None:
                                 or settings.calib is None):
         raise AccelError("--tune-steps tunes Leech row scales: it needs --weights leech2|3|4 and --calib")
     if settings.calib is not None and not Path(settings.calib).is_dir():
-        raise AccelError(f"--calib {settings.calib}: no such directory (write one with accel calibrate)")
+        what = "not a directory" if Path(settings.calib).exists() else "no such directory"
+        raise AccelError(f"--calib {settings.calib}: {what} (write one with accel calibrate)")
+    # options that would change nothing are refused, not recorded in accel.json as if applied
     if settings.weights is None:
+        if settings.layout is not None or settings.group != QuantizeSettings.group:
+            option = "--layout" if settings.layout is not None else "--group"
+            raise AccelError(f"{option} shapes quantized weights: it needs --weights")
         return
     method = get_weight_method(settings.weights)
     if settings.layout is not None:
         get_layout(settings.layout)
+    if settings.weights.startswith("leech") and settings.group != QuantizeSettings.group:
+        raise AccelError(f"--group is the affine methods' group size (rtn, hqq, gptq); --weights {settings.weights} "
+                         f"codes 24-value blocks: drop --group")
     if method.needs_calibration and settings.calib is None:
         raise AccelError(f"--weights {settings.weights} needs --calib (run `accel calibrate --for weights` first)")
+    if settings.calib is not None and not (method.needs_calibration or method.uses_calibration) \
+            and settings.kv is None and settings.state is None:
+        raise AccelError(f"--weights {settings.weights} reads no calibration, and no --kv or --state map is built: "
+                         f"drop --calib")
 
 
 def _build_maps(model: str, config: dict[str, Any], settings: QuantizeSettings, progress: Progress
