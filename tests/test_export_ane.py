@@ -186,6 +186,55 @@ def test_llama_family_variants_match_transformers(tmp_path, variant):
     assert (np.abs(no_window - want).max() > 1e-4 * scale) == any(dims.windows)  # 10x the agreement above
 
 
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [4.0 + i for i in range(4)],
+            "original_max_position_embeddings": 16}
+
+
+@pytest.mark.parametrize("rope,context", [
+    ({"rope_type": "dynamic", "factor": 4.0}, 32),   # context = max_position_embeddings: the table must not scale
+    (LONGROPE, 16),                                    # context = the longrope switch: short factors throughout
+    ({"rope_type": "linear", "factor": 2.0}, 32),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 8}, 32),
+])
+def test_rotary_tables_are_transformers_for_every_sequence_the_package_takes(tmp_path, rope, context):
+    """The tables were computed for context + 1 positions (the padding row): dynamic NTK scaling and longrope pick
+    their frequencies by the sequence's length, so every row came out scaled (2e-3 of the logit range off, and
+    verify passed it). A context past the longrope switch is refused: no fixed table follows transformers there."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from accel.converters.coreml.export import check_ane_shapes
+
+    torch.manual_seed(5)
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=80, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=32,
+                         rms_norm_eps=1e-5, rope_scaling=rope)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # sharp attention, so that positions matter
+        for name, p in model.named_parameters():
+            if "q_proj" in name or "k_proj" in name:
+                p.mul_(8.0)
+    model.save_pretrained(tmp_path / "m")
+    src, ref = _reference(tmp_path / "m")
+    dims = llama_dims(src.config)
+    check_ane_shapes(dims, context, 8)
+    with torch.no_grad():
+        want = ref(IDS).logits[0].numpy()
+    for got in _ane_logits(build_ane_llama(dims, context, src.load_tensor)):
+        assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()
+    if rope is LONGROPE:
+        with pytest.raises(AccelError, match="past the model's longrope switch"):
+            check_ane_shapes(dims, context + 1, 8)
+
+
+def test_a_sliding_window_of_no_keys_is_refused():
+    """sliding_window 0 masked every key (attention spread over empty cache slots); verify's reference crashed."""
+    config = {"model_type": "mistral", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "sliding_window": 0}
+    with pytest.raises(AccelError, match="sliding_window 0 must be at least 1"):
+        llama_dims(config)
+
+
 @pytest.mark.parametrize("variant", ["mistral", "qwen2", "qwen3"])
 def test_cli_exports_and_verifies_llama_family_variants(capsys, tmp_path, variant):
     model = make_family_model(tmp_path / variant, variant)

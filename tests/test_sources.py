@@ -437,6 +437,27 @@ def test_gguf_llama3_rope_scaling_is_recovered_from_rope_freqs(tmp_path, low, hi
     assert torch.equal(got, ref) if exact else torch.allclose(got, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("low,high,original,factor", [(2.0, 8.0, 64, 4.0), (1.0, 2.0, 32, 16.0), (0.5, 3.0, 16, 2.0),
+                                                      (1.0, 4.0, 8192, 8.0), (1.0, 1.5, 64, 4.0)])
+def test_llama3_rope_scaling_comes_back_as_an_equivalent_triple(low, high, original, factor):
+    """Divisors with one frequency between the plateaus, or none, were refused (the fallback fixed low at 1): any
+    (low, high) with the original's ratios gives transformers' own frequencies."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from accel.converters.gguf_rope import llama3_rope_scaling
+
+    def inv_freq(rope):
+        config = LlamaConfig(hidden_size=32, num_attention_heads=2, head_dim=16, max_position_embeddings=16384,
+                             rope_parameters={"rope_theta": 10000.0, **rope})
+        return ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")[0], config
+
+    want, config = inv_freq({"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                             "high_freq_factor": high, "original_max_position_embeddings": original})
+    scaling = llama3_rope_scaling(llama_cpp_rope_factors(config), 10000.0, 16)
+    got, _ = inv_freq(scaling)
+    assert scaling["factor"] == factor and torch.allclose(got, want, rtol=1e-6, atol=0)
+
+
 def test_llama3_rope_scaling_refuses_divisors_it_cannot_reproduce():
     from accel.converters.gguf_rope import llama3_rope_scaling, rotary_frequencies
 

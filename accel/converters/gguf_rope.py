@@ -8,8 +8,9 @@ config needs the parameters back. Between the plateaus `1 / divisor = (1 - 1/fac
 the frequency, so two frequencies there give its slope and intercept: `original / (high - low)` and
 `low / (high - low)`. Only these two ratios enter the divisors, so every triple with the same ratios describes the
 same model; accel states it with `original_max_position_embeddings` 8192, Llama 3's. The candidates, in order: the
-published parameters (low 1, high 4), low 1 with the high factor one frequency between the plateaus fixes, and the
-fit through all of them. The parameters returned must reproduce every divisor, or the file is refused.
+published parameters (low 1, high 4), then a line through the frequencies between the plateaus (fitted through two
+or more; through one or none, as steep as the plateaus allow, `_ramp`). The parameters returned must reproduce
+every divisor, or the file is refused.
 """
 
 from __future__ import annotations
@@ -52,19 +53,11 @@ def llama3_rope_scaling(divisors: np.ndarray, theta: float, head_dim: int) -> di
         return None
     factor = float(np.float32(divisors.max()))
     candidates = [(1.0, 4.0)]  # every published Llama 3 (3.1, 3.2, 3.3): low 1, high 4, original 8192
-    between = (divisors > 1 + _TOLERANCE) & (divisors < factor * (1 - _TOLERANCE))
-    span = 1 - 1 / factor
-    if between.any():  # low 1, and the high factor that puts the first frequency between the plateaus where it is
-        i = int(np.flatnonzero(between)[0])
-        smooth = (1 / divisors[i] - 1 / factor) / span
-        candidates.append((1.0, 1.0 + (LLAMA3_ORIGINAL_CONTEXT * freqs[i] / (2 * math.pi) - 1.0) / smooth))
-    if between.sum() >= 2:
-        slope, intercept = np.polyfit(freqs[between].astype(np.float64), 1.0 / divisors[between], 1)
-        original_over_width = 2 * math.pi * slope / span        # original / (high - low)
-        low_over_width = (1 / factor - intercept) / span         # low / (high - low)
-        if original_over_width > 0 and low_over_width > 0:
-            width = LLAMA3_ORIGINAL_CONTEXT / original_over_width
-            candidates.append((low_over_width * width, (low_over_width + 1) * width))
+    ramp = _ramp(freqs.astype(np.float64), divisors, factor)
+    if ramp is not None:  # smooth(freq) = slope * freq - offset, in units of original / (2 pi (high - low))
+        slope, offset = ramp
+        width = LLAMA3_ORIGINAL_CONTEXT / (2 * math.pi * slope)  # high - low, with original 8192
+        candidates.append((offset * width, (offset + 1) * width))
     for low, high in ((_short(low), _short(high)) for low, high in candidates):
         predicted = llama3_divisors(freqs, factor, low, high, LLAMA3_ORIGINAL_CONTEXT)
         if np.allclose(predicted, divisors, rtol=_TOLERANCE, atol=0):
@@ -72,6 +65,34 @@ def llama3_rope_scaling(divisors: np.ndarray, theta: float, head_dim: int) -> di
                     "original_max_position_embeddings": LLAMA3_ORIGINAL_CONTEXT}
     raise AccelError("rope_freqs.weight is not a Llama 3 rope scaling (no factor, low and high frequency factors "
                      "reproduce its values)")
+
+
+def _ramp(freqs: np.ndarray, divisors: np.ndarray, factor: float) -> tuple[float, float] | None:
+    """(slope, offset) of the line smooth(freq) = slope · freq − offset that puts every frequency where its divisor
+    says: smooth ≥ 1 where the divisor is 1, ≤ 0 where it is the factor, and 1/divisor = 1/factor + (1 − 1/factor)
+    · smooth between. Two or more frequencies between the plateaus fix the line (least squares); with one or none,
+    the plateaus only bound it, and the steepest of the bounds (doubled, to stay off them) is taken; the offset
+    (low / (high − low)) must come out positive."""
+    span = 1 - 1 / factor
+    tol = _TOLERANCE
+    between = (divisors > 1 + tol) & (divisors < factor * (1 - tol))
+    smooth = (1 / divisors - 1 / factor) / span
+    if between.sum() >= 2:
+        slope, intercept = np.polyfit(freqs[between], smooth[between], 1)
+        return (slope, -intercept) if slope > 0 and intercept < 0 else None
+    high = freqs[divisors <= 1 + tol]          # the short wavelengths: smooth must reach 1 by the lowest of them
+    low = freqs[divisors >= factor * (1 - tol)]  # the long ones: smooth must stay at or below 0 up to the highest
+    if between.any():  # the line goes through the one point between: only its slope is free
+        f, s = float(freqs[between][0]), float(smooth[between][0])
+        bounds = [s / f]  # offset = slope * f - s > 0
+        bounds += [(1 - s) / (float(high.min()) - f)] if high.size else []
+        bounds += [s / (f - float(low.max()))] if low.size else []
+        slope = 2 * max(bounds)
+        return slope, slope * f - s
+    if high.size and low.size and high.min() > low.max():  # a step: smooth -1/2 at the last long wavelength
+        slope = 2 / float(high.min() - low.max())
+        return slope, slope * float(low.max()) + 0.5
+    return None
 
 
 def _short(value: float) -> float:

@@ -55,6 +55,8 @@ class LlamaDims:
     biases: tuple[str, ...] = ()          # the projections (AneBlock.PROJECTIONS short names) that have a bias
     qk_norm: bool = False                 # a per-head RMSNorm of queries and keys before RoPE (Qwen3)
     windows: tuple[int | None, ...] = ()  # per layer: the sliding window (keys p - w < k <= p), None for full
+    rope_switch: int | None = None  # longrope: past this sequence length transformers moves every position to its
+    #                                 long factors, which no fixed table can follow (check_ane_shapes)
 
     @property
     def groups(self) -> int:
@@ -116,11 +118,17 @@ def llama_dims(config: dict[str, Any]) -> LlamaDims:
     if any(f[:2] != (biases, qk_norm) for f in features):
         raise AccelError(f"unsupported architecture {arch!r}: its layers differ in biases or norms")
     windows = tuple(f[2] for f in features)
+    if any(w is not None and w < 1 for w in windows):
+        raise AccelError(f"{arch}: sliding_window {min(w for w in windows if w is not None)} must be at least 1 "
+                         f"(a window of none masks every key)")
+    rope = getattr(model.config, "rope_parameters", None) or {}
+    switch = rope.get("original_max_position_embeddings") if rope.get("rope_type") == "longrope" else None
     return LlamaDims(vocab=int(config["vocab_size"]), hidden=hidden, intermediate=int(config["intermediate_size"]),
                      layers=int(config["num_hidden_layers"]), heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                      eps=float(config.get("rms_norm_eps", 1e-6)), tied=bool(config.get("tie_word_embeddings")),
                      max_positions=int(config.get("max_position_embeddings", 2048)), config=dict(config),
-                     biases=biases, qk_norm=qk_norm, windows=windows)
+                     biases=biases, qk_norm=qk_norm, windows=windows,
+                     rope_switch=None if switch is None else int(switch))
 
 
 def _layer_features(layer: nn.Module, config: Any) -> tuple[tuple[str, ...], bool, int | None]:
@@ -134,7 +142,9 @@ def _layer_features(layer: nn.Module, config: Any) -> tuple[tuple[str, ...], boo
 
 def rotary_tables(dims: LlamaDims, positions: int) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin, (positions, head_dim) float32, exactly as the model's own transformers rotary embedding
-    computes them (rope scaling included)."""
+    computes them for a sequence of `positions` tokens (rope scaling included). One call for all rows: dynamic and
+    longrope scalings pick their frequencies by that sequence length, so a table for more positions than the
+    model will see (the padding row) would change every row."""
     from accel.converters.materialize import empty_model
 
     rope = empty_model(dims.config).model.rotary_emb
@@ -239,8 +249,9 @@ class AneLlama(nn.Module):
                                                          requires_grad=False)
         self.blocks = nn.ModuleList([AneBlock(dims, i, weight) for i in range(dims.layers)])
         self.final_norm = norm_param(weight("model.norm.weight"))
-        # Rotate-half tables repeat their first half; only that half is stored.
-        cos, sin = rotary_tables(dims, context + 1)
+        # Rotate-half tables repeat their first half; only that half is stored. The padding row (position
+        # `context`) writes nothing and its logits are not read: it repeats the last row.
+        cos, sin = (np.concatenate([t, t[-1:]]) for t in rotary_tables(dims, context))
         half = dims.head_dim // 2
         self.register_buffer("rope_cos", torch.from_numpy(np.ascontiguousarray(cos[:, :half])), persistent=False)
         self.register_buffer("rope_sin", torch.from_numpy(np.ascontiguousarray(sin[:, :half])), persistent=False)

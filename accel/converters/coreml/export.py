@@ -168,6 +168,11 @@ def check_ane_shapes(dims: LlamaDims, context: int, prefill: int) -> None:
     if context > dims.max_positions:
         raise AccelError(f"--context {context} is longer than the model's max_position_embeddings "
                          f"({dims.max_positions})")
+    if dims.rope_switch is not None and context > dims.rope_switch:
+        raise AccelError(f"--context {context} is past the model's longrope switch ({dims.rope_switch} positions, "
+                         f"original_max_position_embeddings): transformers then changes every position's "
+                         f"rotary frequencies with the sequence's length, which a package's fixed tables cannot "
+                         f"follow; use --context {dims.rope_switch} or less")
 
 
 # ---------------------------------------------------------------------------------------------- conversion
