@@ -588,12 +588,16 @@ def test_quantize_options_that_would_change_nothing_are_refused(capsys, model, t
     out = tmp_path / "o"
     for argv, message in [(["--weights", "rtn4", "--calib", calib], "reads no calibration"),
                           (["--weights", "leech2", "--group", "32"], "drop --group"),
+                          (["--weights", "leech2", "--group", "64"], "drop --group"),  # the default, given
                           (["--kv", "semkv", "--layout", "planes", "--calib", calib], "--layout shapes quantized"),
                           (["--kv", "semkv", "--group", "32", "--calib", calib], "--group shapes quantized")]:
         code, _, err = run(capsys, "quantize", model, *argv, "--out", out)
         assert_one_line_error(code, err, 2, message)
         assert not out.exists()
     assert run(capsys, "quantize", model, "--weights", "leech2", "--calib", calib, "--out", out)[0] == 0
+    assert json.loads((out / "accel.json").read_text())["settings"]["group"] is None  # Leech reads no group
+    assert run(capsys, "quantize", model, "--weights", "rtn4", "--out", out, "--force")[0] == 0
+    assert json.loads((out / "accel.json").read_text())["settings"]["group"] == 64  # the default, recorded
 
 
 def test_a_state_calibration_of_windows_that_never_read_the_state_is_refused(capsys, tmp_path, text_file):

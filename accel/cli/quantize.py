@@ -15,7 +15,8 @@ def register(app: typer.Typer) -> None:
         model: str = typer.Argument(..., help="HF directory, .gguf file or alias (see `accel models`)."),
         out: Path = typer.Option(..., "--out", help="Output directory (refused if it exists, unless --force)."),
         weights: str = typer.Option(None, "--weights", help="leech2|3|4, gptq2|3|4, hqq2|3|4, rtn2..rtn8."),
-        group: int = typer.Option(64, "--group", help="Group size along the input axis for scalar grids."),
+        group: int = typer.Option(None, "--group", help="Group size along the input axis for the affine methods "
+                                  "(rtn, hqq, gptq) [default: 64]."),
         calib: Path = typer.Option(None, "--calib", help="Calibration directory from `accel calibrate`."),
         layout: str = typer.Option(None, "--layout", help="Code layout: packed, base, planes, onehot."),
         kv: str = typer.Option(None, "--kv", help="semkv[:auto|BASE|LLO/LHI@FRAC|BASE:LLO/LHI@FRAC] KV-cache "

@@ -28,11 +28,13 @@ from accel.quantize.maps import BuildContext, encode_map, parse_spec
 from accel.quantize.methods import WeightMethod, WeightSettings, get_weight_method, is_quantizable
 from accel.quantize.parallel import FixedHessian, default_jobs, encode_one, worker_pool
 
+DEFAULT_GROUP = 64  # the affine methods' group size when --group is not given
+
 
 @dataclass(frozen=True)
 class QuantizeSettings:
     weights: str | None = None
-    group: int = 64
+    group: int | None = None  # --group as given (None: DEFAULT_GROUP for the affine methods, unused by Leech)
     layout: str | None = None
     seed: int = 0
     calib: str | None = None
@@ -40,6 +42,14 @@ class QuantizeSettings:
     state: str | None = None  # --state METHOD[:ARG]
     tune_steps: int = 0  # --tune-steps: leech row scales refit by KL on the calibration windows (leech_tune)
     max_shard_bytes: int = 2 * 1024**3
+
+
+def effective_group(settings: QuantizeSettings) -> int | None:
+    """The group size the weights are quantized with: --group, or DEFAULT_GROUP for an affine method; None where
+    no method reads one (Leech, or no --weights)."""
+    if settings.weights is None or settings.weights.startswith("leech"):
+        return None
+    return settings.group if settings.group is not None else DEFAULT_GROUP
 
 
 def model_files_sha256(files: list[Path]) -> dict[str, str]:
@@ -86,7 +96,7 @@ def _check_settings(settings: QuantizeSettings) -> None:
     for kind in ("kv", "state"):
         if getattr(settings, kind) is not None:
             parse_spec(kind, getattr(settings, kind))
-    if settings.group < 1:
+    if settings.group is not None and settings.group < 1:
         raise AccelError(f"--group must be positive, got {settings.group}")
     if settings.tune_steps < 0:
         raise AccelError(f"--tune-steps must be 0 or more, got {settings.tune_steps}")
@@ -98,14 +108,14 @@ def _check_settings(settings: QuantizeSettings) -> None:
         raise AccelError(f"--calib {settings.calib}: {what} (write one with accel calibrate)")
     # options that would change nothing are refused, not recorded in accel.json as if applied
     if settings.weights is None:
-        if settings.layout is not None or settings.group != QuantizeSettings.group:
+        if settings.layout is not None or settings.group is not None:
             option = "--layout" if settings.layout is not None else "--group"
             raise AccelError(f"{option} shapes quantized weights: it needs --weights")
         return
     method = get_weight_method(settings.weights)
     if settings.layout is not None:
         get_layout(settings.layout)
-    if settings.weights.startswith("leech") and settings.group != QuantizeSettings.group:
+    if settings.weights.startswith("leech") and settings.group is not None:
         raise AccelError(f"--group is the affine methods' group size (rtn, hqq, gptq); --weights {settings.weights} "
                          f"codes 24-value blocks: drop --group")
     if method.needs_calibration and settings.calib is None:
@@ -250,7 +260,7 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
         from accel.calibrate.hessians import HessianStore
 
         hessians = HessianStore(Path(settings.calib))
-    weight_settings = WeightSettings(group=settings.group, layout=settings.layout, seed=settings.seed,
+    weight_settings = WeightSettings(group=effective_group(settings), layout=settings.layout, seed=settings.seed,
                                      hessians=hessians)
     progress.stage(f"reading {Path(str(model)).name}", 3)  # seconds of silence otherwise (a GGUF, its tokenizer)
     with open_model(model) as source:
@@ -319,7 +329,7 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
                 "source": str(model),
                 "inputs": hashes | model_files_sha256([c / CALIB_MANIFEST for c in calib]),
                 "files": sidecar_files_sha256(tmp),
-                "settings": asdict(settings),
+                "settings": {**asdict(settings), "group": effective_group(settings)},
                 "tensors": summary,
                 "maps": {kind: {"method": m.method, "params": m.params} for kind, m in maps.items()},
             }
