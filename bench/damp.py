@@ -240,7 +240,8 @@ def main() -> None:
     parser.add_argument("--batch", type=positive, default=32,
                         help="windows decoded side by side (each through its own state; default 32)")
     parser.add_argument("--seq-len", type=positive, default=None, help="tokens per window (default 512; quick 128)")
-    parser.add_argument("--calib-samples", type=positive, default=None, help="calibration windows (default 64; quick 8)")
+    parser.add_argument("--calib-samples", type=positive, default=None,
+                        help="calibration windows (default 64; quick 8)")
     parser.add_argument("--json", action="store_true", help="accepted: the last line is always the JSON object")
     parser.add_argument("--arms", default=None,
                         help="only these arms, separated by ';' (fp32, the reference, always runs first)")

@@ -55,7 +55,7 @@ def main() -> int:
             continue
         out = work / arm
         method = get_weight_method(arm)
-        settings = QuantizeSettings(weights=arm, group=None if arm.startswith("leech") else 64, calib=str(calib) if method.uses_calibration else None,
+        settings = QuantizeSettings(weights=arm, calib=str(calib) if method.uses_calibration else None,
                                     tune_steps=args.tune_steps if arm.startswith("leech") else 0)
         report = quantize_model(MODEL, out, settings, force=True, jobs=args.jobs)
         loaded = load_causal_lm(out)

@@ -218,7 +218,8 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="accepted: the last line is always the JSON object")
     parser.add_argument("--windows", type=positive, default=None, help="eval windows (default 16; quick 3)")
     parser.add_argument("--seq-len", type=positive, default=None, help="tokens per window (default 256; quick 64)")
-    parser.add_argument("--calib-samples", type=positive, default=None, help="calibration windows (default 20; quick 4)")
+    parser.add_argument("--calib-samples", type=positive, default=None,
+                        help="calibration windows (default 20; quick 4)")
     parser.add_argument("--decode-windows", type=non_negative, default=None,
                         help="windows the SemKV arms are also decoded token by token (default 2; quick 1)")
     parser.add_argument("--bytes-windows", type=positive, default=4, help="windows that fill real caches for bytes")

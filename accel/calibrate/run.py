@@ -73,10 +73,14 @@ def get_kind(name: str) -> CalibKind:
     return _KINDS[name]
 
 
+def check_samples(samples: int) -> None:
+    if samples < 1:
+        raise AccelError(f"--samples must be at least 1, got {samples}")
+
+
 def pick_windows(tokenizer, text: str, settings: CalibSettings) -> np.ndarray:
     """`samples` non-overlapping windows drawn (seeded) from the whole text, in text order."""
-    if settings.samples < 1:
-        raise AccelError(f"--samples must be at least 1, got {settings.samples}")
+    check_samples(settings.samples)
     windows = token_windows(tokenizer, text, settings.seq_len, None)
     if len(windows) <= settings.samples:
         return windows
@@ -115,8 +119,7 @@ def calibrate(model: str, data: Path, out: Path, kinds: list[str], settings: Cal
         raise AccelError("--for is empty: choose from weights, kv, state")
     runners = {kind: get_kind(kind) for kind in dict.fromkeys(kinds)}
     check_window_args(settings.seq_len, None)  # before the model is built (seconds)
-    if settings.samples < 1:
-        raise AccelError(f"--samples must be at least 1, got {settings.samples}")
+    check_samples(settings.samples)
     if "kv" in runners and settings.samples < 2:
         raise AccelError(f"--for kv pairs windows for its bootstrap intervals: --samples must be at least 2, "
                          f"got {settings.samples}")

@@ -30,7 +30,8 @@ def register(app: typer.Typer) -> None:
         force: bool = typer.Option(False, "--force", help="Replace an existing --out."),
         json_out: bool = JSON_OPTION,
     ) -> None:
-        """Export a Llama-family model (Llama, Mistral, Qwen2, Qwen3) as a multifunction (prefill, decode) Core ML package for the Neural Engine."""
+        """Export a Llama-family model (Llama, Mistral, Qwen2, Qwen3) as a multifunction (prefill, decode) Core ML
+        package for the Neural Engine."""
         if model == SWEEP and not Path(model).exists():
             from accel.converters.coreml.sweep import run_sweep
 

@@ -21,6 +21,8 @@ def _fmt_bytes(n: int) -> str:
 def _param_text(value) -> str | None:
     """A map parameter for the text line: scalars as they are, a short list of scalars as a/b (SemKV's levels
     LLO/LHI); longer or nested values only in --json (None)."""
+    if isinstance(value, dict):
+        return None
     if isinstance(value, list):
         if len(value) <= 4 and all(isinstance(v, (int, float, str)) for v in value):
             return "/".join(str(v) for v in value)
@@ -59,7 +61,7 @@ def register(app: typer.Typer) -> None:
         stdout.print(f"total: {_fmt_bytes(report['bytes'])} in {len(report['files'])} file(s), "
                      f"format version {report['format_version']}")
         for kind, m in report["maps"].items():  # each checked by Artifact.map_documents
-            shown = ", ".join(f"{k}={_param_text(v)}" for k, v in sorted(m["params"].items())
-                              if not isinstance(v, dict) and _param_text(v) is not None)
+            texts = {k: _param_text(v) for k, v in sorted(m["params"].items())}
+            shown = ", ".join(f"{k}={t}" for k, t in texts.items() if t is not None)
             stdout.print(f"{kind} map: {m['method']} ({shown}); arrays: {', '.join(sorted(m['arrays']))}",
                          markup=False)

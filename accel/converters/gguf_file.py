@@ -194,21 +194,14 @@ class GGUFSource(ModelSource):
 
     def _rope_scaling(self, theta: float, head_dim: int) -> dict[str, Any] | None:
         """Llama 3's rope scaling, from the divisors llama.cpp stores in place of its parameters (gguf_rope.py)."""
-        import gguf
-
         from accel.converters.gguf_rope import llama3_rope_scaling
 
-        t = self._tensors.get(ROPE_FREQS)
-        if t is None:
+        if ROPE_FREQS not in self._tensors:
             return None
         if self.architecture != "llama":
             raise AccelError(f"{self.path}: {ROPE_FREQS} in a {self.architecture} GGUF file is not supported")
         try:
-            divisors = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float64)
-        except Exception as err:
-            raise FormatError(f"{self.path}: cannot read {ROPE_FREQS}: {one_line(err)}") from err
-        try:
-            return llama3_rope_scaling(divisors, theta, head_dim)
+            return llama3_rope_scaling(self._dequantized(ROPE_FREQS), theta, head_dim)
         except AccelError as err:
             raise AccelError(f"{self.path}: {err}") from None
 
@@ -271,20 +264,22 @@ class GGUFSource(ModelSource):
             raise self._unknown_tensor(name)
         return self._entries[name].dtype
 
-    def load_tensor(self, name: str) -> np.ndarray:
+    def _dequantized(self, gguf_name: str) -> np.ndarray:
+        """A stored tensor as float32 (flat, GGUF order), a damaged block a FormatError naming it."""
         import gguf
 
+        t = self._tensors[gguf_name]
+        try:
+            return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1)
+        except Exception as err:
+            raise FormatError(f"{self.path}: cannot dequantize {gguf_name} ({t.tensor_type.name}): "
+                              f"{one_line(err)}") from err
+
+    def load_tensor(self, name: str) -> np.ndarray:
         entry = self._entries.get(name)
         if entry is None:
             raise self._unknown_tensor(name)
-        t = self._tensors[entry.gguf_name]
-        try:
-            values = gguf.quants.dequantize(t.data, t.tensor_type)
-            values = np.asarray(values, dtype=np.float32).reshape(entry.shape)
-        except Exception as err:
-            raise FormatError(
-                f"{self.path}: cannot dequantize {entry.gguf_name} ({t.tensor_type.name}): {one_line(err)}"
-            ) from err
+        values = self._dequantized(entry.gguf_name).reshape(entry.shape)
         if entry.qk_heads is not None:
             values = unpermute_qk(values, entry.qk_heads)
         # A fresh array either way: F32 tensors would otherwise be views of the read-only memory map.
