@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from accel.errors import FormatError
 from accel.formats import AccelFile, Artifact, encode_tensor, write_file, write_weights
+from accel.formats.artifact import WeightsWriter
 from accel.formats.container import FORMAT_VERSION
 from accel.formats.tensor import decode_parts
 
@@ -81,6 +82,33 @@ def test_sharded_output_reads_back_like_one_file(tmp_path, rng):
     for name in one.names:
         assert np.array_equal(one.decode(name), many.decode(name))
         assert one.report(name) == many.report(name)
+
+
+@pytest.mark.parametrize("max_shard_bytes", [100, 1 << 30])
+def test_streamed_weights_are_the_bytes_write_weights_writes(tmp_path, rng, max_shard_bytes):
+    """WeightsWriter takes the tensors one at a time, in any order, and spills them; its files are write_weights'
+    bit for bit (one file, or three shards and the index), and its scratch file is gone."""
+    items = _encoded(rng)
+    (tmp_path / "whole").mkdir()
+    (tmp_path / "streamed").mkdir()
+    write_weights(tmp_path / "whole", items, max_shard_bytes, extra={"note": 1})
+    with WeightsWriter(tmp_path / "streamed", max_shard_bytes) as writer:
+        for item in reversed(items):
+            writer.add(item)
+        writer.finish(extra={"note": 1})
+    whole, streamed = sorted((tmp_path / "whole").iterdir()), sorted((tmp_path / "streamed").iterdir())
+    assert [p.name for p in whole] == [p.name for p in streamed]
+    assert len(whole) == (4 if max_shard_bytes == 100 else 1)
+    for a, b in zip(whole, streamed, strict=True):
+        assert a.read_bytes() == b.read_bytes()
+
+
+def test_streamed_weights_leave_nothing_on_an_error(tmp_path, rng):
+    items = _encoded(rng)
+    with pytest.raises(ValueError, match="added twice"), WeightsWriter(tmp_path) as writer:
+        writer.add(items[0])
+        writer.add(items[0])
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("weight_map", [{"a": ["model.safetensors"]}, {"a": "model-00001-of-00003.safetensors", "b": 5},

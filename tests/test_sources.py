@@ -63,11 +63,12 @@ def tokens(n: int = 12, seed: int = 1) -> torch.Tensor:
 def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
     model = random_llama()
-    dirs = {k: root / k for k in ("single", "sharded", "bf16", "tied")}
+    dirs = {k: root / k for k in ("single", "sharded", "bf16", "f16", "tied")}
     model.save_pretrained(str(dirs["single"]))
     save_tiny_tokenizer(dirs["single"])
     model.save_pretrained(str(dirs["sharded"]), max_shard_size="20KB")
     random_llama().to(torch.bfloat16).save_pretrained(str(dirs["bf16"]))
+    random_llama().to(torch.float16).save_pretrained(str(dirs["f16"]))
     random_llama(seed=3, tie_word_embeddings=True).save_pretrained(str(dirs["tied"]))
     return dirs
 
@@ -99,12 +100,17 @@ def test_hf_dir_lazy_load_equals_saved_tensors(tiny_dirs):
         assert np.array_equal(array, saved[name].numpy())
 
 
-def test_bf16_upcast_is_exact(tiny_dirs):
-    src = open_model(tiny_dirs["bf16"])
-    saved = load_file(str(tiny_dirs["bf16"] / "model.safetensors"))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_upcast_is_exact(tiny_dirs, dtype):
+    """The tensors are read from the file (not its memory map) and widened by numpy: torch's values bit for bit."""
+    key = {"bfloat16": "bf16", "float16": "f16"}[dtype]
+    src = open_model(tiny_dirs[key])
+    saved = load_file(str(tiny_dirs[key] / "model.safetensors"))
     for name in src.tensor_names():
-        assert src.tensor_dtype(name) == "bfloat16"
-        assert np.array_equal(src.load_tensor(name), saved[name].float().numpy())
+        assert src.tensor_dtype(name) == dtype
+        array = src.load_tensor(name)
+        assert array.flags.c_contiguous and array.flags.writeable
+        assert np.array_equal(array.view(np.uint32), saved[name].float().numpy().view(np.uint32))
 
 
 def test_sharded_equals_unsharded(tiny_dirs):

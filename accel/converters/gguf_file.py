@@ -8,6 +8,7 @@ rotary embedding is the same rotate-half as transformers').
 
 from __future__ import annotations
 
+import mmap
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ import numpy as np
 
 from accel.converters.sources import ModelSource, config_json_bytes, one_line
 from accel.errors import AccelError, FormatError
+from accel.formats.container import drop_resident
 
 _FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
@@ -283,7 +285,18 @@ class GGUFSource(ModelSource):
         if entry.qk_heads is not None:
             values = unpermute_qk(values, entry.qk_heads)
         # A fresh array either way: F32 tensors would otherwise be views of the read-only memory map.
-        return np.array(values, dtype=np.float32, order="C", copy=True)
+        values = np.array(values, dtype=np.float32, order="C", copy=True)
+        self._release(entry.gguf_name)
+        return values
+
+    def _release(self, gguf_name: str) -> None:
+        """Drop a tensor's mapped pages from this process's resident set once it is copied out (they fault back in
+        from the page cache if read again): a whole file's worth otherwise stayed resident and counted in
+        quantize's peak_rss_mb (docs/architecture.md, "Memory"). numpy's memmap keeps its mmap as `_mmap`."""
+        t = self._tensors[gguf_name]
+        mapped = getattr(self._reader.data, "_mmap", None)
+        if isinstance(mapped, mmap.mmap):
+            drop_resident(mapped, int(t.data_offset), int(t.data_offset) + int(t.n_bytes))
 
     def native_grid(self, name: str) -> dict[str, Any] | None:
         """Q4_1 blocks (x = d*q + m, q in 0..15) and Q8_0 blocks (x = d*q, q in -128..127; as q + 128 on the grid
@@ -300,8 +313,10 @@ class GGUFSource(ModelSource):
         blocks = np.asarray(t.data, dtype=np.uint8).reshape(rows * groups, -1)
         d = blocks[:, 0:2].copy().view(np.float16).reshape(rows, groups)
         if kind == "Q4_1":
-            return {"levels": 16, "group": 32, "scale": d,
-                    "offset": blocks[:, 2:4].copy().view(np.float16).reshape(rows, groups)}
+            offset = blocks[:, 2:4].copy().view(np.float16).reshape(rows, groups)
+            self._release(entry.gguf_name)
+            return {"levels": 16, "group": 32, "scale": d, "offset": offset}
+        self._release(entry.gguf_name)
         with np.errstate(over="ignore"):
             offset = (d.astype(np.float32) * -128).astype(np.float16)
         return {"levels": 256, "group": 32, "scale": d, "offset": offset}

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import shutil
+import struct
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from safetensors import safe_open
 
 from accel.converters.sources import (
@@ -66,6 +67,7 @@ class HFDirSource(ModelSource):
 
         shards, weight_map, index_path = self._find_weights()
         self._handles: dict[Path, Any] = {}
+        self._spans: dict[str, tuple[int, int]] = {}  # tensor -> (file offset, bytes)
         self._where: dict[str, Path] = {}
         self._meta: dict[str, tuple[tuple[int, ...], str]] = {}
         for shard in shards:
@@ -117,12 +119,18 @@ class HFDirSource(ModelSource):
 
     def _scan_shard(self, shard: Path) -> None:
         try:
-            handle = safe_open(str(shard), framework="pt")
+            handle = safe_open(str(shard), framework="numpy")  # validates the header, offsets and sizes
             keys = list(handle.keys())
             meta = {}
             for key in keys:
                 part = handle.get_slice(key)
                 meta[key] = (tuple(int(d) for d in part.get_shape()), part.get_dtype())
+            with open(shard, "rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(length))
+            for key in keys:
+                start, end = header[key]["data_offsets"]
+                self._spans[key] = (8 + length + int(start), int(end) - int(start))
         except Exception as err:  # the Rust reader raises its own SafetensorError, and OSError
             raise FormatError(f"{shard}: not a valid safetensors file: {one_line(err)}") from err
         self._handles[shard] = handle
@@ -170,13 +178,23 @@ class HFDirSource(ModelSource):
         shard = self._where.get(name)
         if shard is None:
             raise self._unknown_tensor(name)
+        # read, not taken from safe_open's memory map: the pages a mapped read touches stay in this process's
+        # resident set, so a whole model's worth of them counted in peak_rss_mb (docs/architecture.md, "Memory")
+        shape, dtype = self._meta[name]
+        offset, nbytes = self._spans[name]
         try:
-            tensor = self._handles[shard].get_tensor(name)
-        except Exception as err:
+            with open(shard, "rb") as f:
+                f.seek(offset)
+                raw = np.fromfile(f, dtype=np.uint8, count=nbytes)
+        except OSError as err:
             raise FormatError(f"{shard}: cannot read tensor {name!r}: {one_line(err)}") from err
-        # copy=True: the result never aliases the memory map, whatever the source dtype.
-        array = tensor.to(dtype=torch.float32, copy=True).contiguous().numpy()
-        return np.ascontiguousarray(array)
+        if raw.size != nbytes:
+            raise FormatError(f"{shard}: cannot read tensor {name!r}: the file ends {nbytes - raw.size} bytes early")
+        if dtype == "bfloat16":
+            array = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+        else:
+            array = raw.view("<f4" if dtype == "float32" else "<f2").astype(np.float32)
+        return array.reshape(shape)
 
     def load_tokenizer(self) -> Any:
         if self._tokenizer is None:

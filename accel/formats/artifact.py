@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
 from accel.errors import AccelError, FormatError, NotAccelOutput
 from accel.formats import jsontext
 from accel.formats.atomic import atomic_write_text
-from accel.formats.container import AccelFile, write_file
+from accel.formats.container import AccelFile, StoredInfo, stored_infos, write_container
 from accel.formats.filehash import files_sha256
 from accel.formats.tensor import TensorEntry
 
@@ -37,30 +38,90 @@ def write_weights(out_dir: Path, encoded: list[Encoded], max_shard_bytes: int = 
 
     All parts of a logical tensor stay in one shard, so every shard is a self-describing container.
     """
-    encoded = sorted(encoded, key=lambda e: e[0].name)
-    shards: list[list[Encoded]] = [[]]
+    arrays = _merge(encoded)
+    tensors = [(entry, stored_infos([entry], items)) for entry, items in encoded]
+    return _write_sets(Path(out_dir), tensors, arrays.__getitem__, max_shard_bytes, extra)
+
+
+class WeightsWriter:
+    """write_weights for tensors that come one at a time: each is checked and its arrays spilled to a scratch
+    file in OUT_DIR as it is added, so only one tensor's arrays need be in memory; `finish` writes the files (the
+    same bytes write_weights writes for the same tensors) and deletes the scratch file."""
+
+    SPILL = ".accel-spill.tmp"
+
+    def __init__(self, out_dir: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES):
+        self.out_dir, self.max_shard_bytes = Path(out_dir), max_shard_bytes
+        self._spill_path = self.out_dir / self.SPILL
+        self._spill = open(self._spill_path, "xb")  # noqa: SIM115 (closed by finish or discard)
+        self._tensors: list[tuple[TensorEntry, dict[str, StoredInfo]]] = []
+        self._where: dict[str, tuple[int, np.dtype]] = {}  # stored name -> (offset in the spill, numpy dtype)
+
+    def add(self, item: Encoded) -> None:
+        entry, arrays = item
+        infos = stored_infos([entry], arrays)
+        for name in infos:
+            if name in self._where:
+                raise ValueError(f"stored tensor '{name}' added twice")
+            data = np.ascontiguousarray(arrays[name])
+            self._where[name] = (self._spill.tell(), data.dtype)
+            self._spill.write(data.reshape(-1).view(np.uint8).data)
+        self._tensors.append((entry, infos))
+
+    def _read(self, name: str) -> np.ndarray:
+        offset, dtype = self._where[name]
+        nbytes = self._infos[name].nbytes
+        return np.fromfile(self._spill_path, dtype=np.uint8, count=nbytes, offset=offset).view(dtype)
+
+    def finish(self, extra: dict[str, Any] | None = None) -> list[Path]:
+        """Write the weights files (one, or shards with an index) and remove the scratch file."""
+        self._spill.close()
+        self._infos = {name: info for _, infos in self._tensors for name, info in infos.items()}
+        try:
+            return _write_sets(self.out_dir, self._tensors, self._read, self.max_shard_bytes, extra)
+        finally:
+            self._spill_path.unlink()
+
+    def discard(self) -> None:
+        self._spill.close()
+        self._spill_path.unlink(missing_ok=True)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._spill.closed or self._spill_path.exists():
+            self.discard()
+
+
+def _write_sets(out_dir: Path, tensors: list[tuple[TensorEntry, dict[str, StoredInfo]]],
+                read: Callable[[str], np.ndarray], max_shard_bytes: int, extra: dict[str, Any] | None) -> list[Path]:
+    """The weights files of write_weights: tensors in name order, a new shard where the next would pass
+    max_shard_bytes, `extra` in the first file."""
+    tensors = sorted(tensors, key=lambda t: t[0].name)
+    shards: list[list[tuple[TensorEntry, dict[str, StoredInfo]]]] = [[]]
     size = 0
-    for item in encoded:
-        nbytes = sum(a.nbytes for a in item[1].values())
+    for item in tensors:
+        nbytes = sum(info.nbytes for info in item[1].values())
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
         shards[-1].append(item)
         size += nbytes
     if len(shards) == 1:
-        path = Path(out_dir) / WEIGHTS_FILE
-        write_file(path, [e for e, _ in shards[0]], _merge(shards[0]), extra)
+        path = out_dir / WEIGHTS_FILE
+        write_container(path, [e for e, _ in shards[0]], _merge_infos(shards[0]), read, extra)
         return [path]
     paths, weight_map, total = [], {}, 0
     for i, shard in enumerate(shards):
-        path = Path(out_dir) / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        arrays = _merge(shard)
-        write_file(path, [e for e, _ in shard], arrays, extra if i == 0 else None)
+        path = out_dir / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        infos = _merge_infos(shard)
+        write_container(path, [e for e, _ in shard], infos, read, extra if i == 0 else None)
         paths.append(path)
-        total += sum(a.nbytes for a in arrays.values())
-        weight_map.update({name: path.name for name in arrays})
+        total += sum(info.nbytes for info in infos.values())
+        weight_map.update({name: path.name for name in infos})
     index = {"metadata": {"total_size": total, "format": "accel"}, "weight_map": dict(sorted(weight_map.items()))}
-    atomic_write_text(Path(out_dir) / INDEX_FILE, json.dumps(index, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(out_dir / INDEX_FILE, json.dumps(index, indent=2, sort_keys=True) + "\n")
     return paths
 
 
@@ -68,6 +129,13 @@ def _merge(items: list[Encoded]) -> dict[str, np.ndarray]:
     merged: dict[str, np.ndarray] = {}
     for _, arrays in items:
         merged.update(arrays)
+    return merged
+
+
+def _merge_infos(items: list[tuple[TensorEntry, dict[str, StoredInfo]]]) -> dict[str, StoredInfo]:
+    merged: dict[str, StoredInfo] = {}
+    for _, infos in items:
+        merged.update(infos)
     return merged
 
 

@@ -11,6 +11,8 @@ import json
 import math
 import mmap
 import struct
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,34 +36,59 @@ def sha256_hex(data: memoryview | bytes | np.ndarray) -> str:
     return hashlib.sha256(memoryview(data).cast("B") if not isinstance(data, bytes) else data).hexdigest()
 
 
-def write_file(path: Path, entries: list[TensorEntry], arrays: dict[str, np.ndarray],
-               extra: dict[str, Any] | None = None) -> int:
-    """Write entries (and their stored arrays) as one container; returns the file size. Atomic, deterministic."""
-    dtype_of: dict[str, str] = {}
+@dataclass(frozen=True)
+class StoredInfo:
+    """What a container's header says of one stored array: safetensors dtype, shape, size and SHA-256."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    itemsize: int
+    nbytes: int
+    sha256: str
+
+
+def stored_infos(entries: list[TensorEntry], arrays: dict[str, np.ndarray]) -> dict[str, StoredInfo]:
+    """Each entry's stored arrays checked against its codec's parts (names, shapes, dtypes), with their header
+    information; raises ValueError on a mismatch."""
+    infos: dict[str, StoredInfo] = {}
     for entry in entries:
         expected = entry.expected_parts()
         if set(expected) != set(entry.parts):
             raise ValueError(f"{entry.name}: parts {sorted(entry.parts)} differ from expected {sorted(expected)}")
         for part, stored in entry.parts.items():
             shape, dtype = expected[part]
-            array = arrays[stored]
+            array = np.ascontiguousarray(arrays[stored])
             if tuple(array.shape) != tuple(shape):
                 raise ValueError(f"{stored}: shape {array.shape} differs from the codec's {shape}")
-            dtype_of[stored] = storage_dtype_of(array, dtype)
-            if dtype_of[stored] != dtype:
-                raise ValueError(f"{stored}: dtype {dtype_of[stored]} differs from the codec's {dtype}")
-    names = sorted(dtype_of, key=lambda n: (-arrays[n].dtype.itemsize, n))  # widest first keeps alignment
+            stored_dtype = storage_dtype_of(array, dtype)
+            if stored_dtype != dtype:
+                raise ValueError(f"{stored}: dtype {stored_dtype} differs from the codec's {dtype}")
+            infos[stored] = StoredInfo(stored_dtype, tuple(array.shape), array.dtype.itemsize, array.nbytes,
+                                       sha256_hex(array.reshape(-1).view(np.uint8)))
+    return infos
+
+
+def write_file(path: Path, entries: list[TensorEntry], arrays: dict[str, np.ndarray],
+               extra: dict[str, Any] | None = None) -> int:
+    """Write entries (and their stored arrays) as one container; returns the file size. Atomic, deterministic."""
+    return write_container(path, entries, stored_infos(entries, arrays), arrays.__getitem__, extra)
+
+
+def write_container(path: Path, entries: list[TensorEntry], infos: dict[str, StoredInfo],
+                    read: Callable[[str], np.ndarray], extra: dict[str, Any] | None = None) -> int:
+    """Write one container from checked header information (`stored_infos`) and `read(stored name)`, which gives
+    each array's bytes when its turn comes (one at a time: the arrays need not all be in memory)."""
+    names = sorted(infos, key=lambda n: (-infos[n].itemsize, n))  # widest first keeps alignment
     header: dict[str, Any] = {}
     offset = 0
-    checksums = {}
     for name in names:
-        a = np.ascontiguousarray(arrays[name])
-        header[name] = {"dtype": dtype_of[name], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
-        checksums[name] = sha256_hex(a.reshape(-1).view(np.uint8))
-        offset += a.nbytes
+        info = infos[name]
+        header[name] = {"dtype": info.dtype, "shape": list(info.shape),
+                        "data_offsets": [offset, offset + info.nbytes]}
+        offset += info.nbytes
     doc = {"format": FORMAT_NAME, "version": FORMAT_VERSION,
            "tensors": {e.name: e.to_json() for e in sorted(entries, key=lambda e: e.name)},
-           "checksums": checksums}
+           "checksums": {name: infos[name].sha256 for name in names}}
     if extra:
         doc.update(extra)
     text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
@@ -73,7 +100,10 @@ def write_file(path: Path, entries: list[TensorEntry], arrays: dict[str, np.ndar
         f.write(struct.pack("<Q", len(head)))
         f.write(head)
         for name in names:
-            f.write(np.ascontiguousarray(arrays[name]).reshape(-1).view(np.uint8).data)
+            data = np.ascontiguousarray(read(name)).reshape(-1).view(np.uint8)
+            if data.nbytes != infos[name].nbytes:
+                raise ValueError(f"{name}: {data.nbytes} bytes to write, the header says {infos[name].nbytes}")
+            f.write(data.data)
 
     atomic_write(path, body)
     return 8 + len(head) + offset
@@ -220,9 +250,22 @@ class AccelFile:
                     raise FormatError(f"{self.path}: tensor '{name}': checksum mismatch in stored tensor "
                                       f"'{stored}' (the file is corrupt)")
         try:
-            return decode_parts(entry, {p: self.read_stored(s) for p, s in entry.parts.items()})
+            decoded = decode_parts(entry, {p: self.read_stored(s) for p, s in entry.parts.items()})
+            # a copy where it views the map (the raw codec): its pages are released below
+            return decoded if decoded.flags.owndata else decoded.copy()
         except FormatError as exc:  # a code the layout refuses: name the file too
             raise FormatError(f"{self.path}: {exc}") from None
+        finally:
+            self._release(entry.parts.values())
+
+    def _release(self, stored_names) -> None:
+        """Drop the mapped pages of these stored tensors from this process's resident set. The map is read-only
+        and file-backed: a later read (an array that views it) faults them back in from the page cache. Without
+        this, decoding a whole file tensor by tensor left all of it resident, so peak_rss_mb grew with the model
+        (docs/architecture.md, "Memory")."""
+        if isinstance(self._map, mmap.mmap):
+            for stored in stored_names:
+                drop_resident(self._map, *self.stored[stored][2:])
 
     def close(self) -> None:
         if isinstance(self._map, mmap.mmap):
@@ -231,3 +274,11 @@ class AccelFile:
             except BufferError:  # arrays still view the map; it closes when they are gone
                 pass
 
+
+def drop_resident(mapped: mmap.mmap, start: int, end: int) -> None:
+    """madvise(MADV_DONTNEED) over the pages holding bytes [start, end) of a read-only file mapping: they leave the
+    process's resident set, and a later read faults them back in from the page cache (a no-op where the OS has no
+    such advice)."""
+    first = start - start % mmap.PAGESIZE
+    if hasattr(mmap, "MADV_DONTNEED") and end > first:
+        mapped.madvise(mmap.MADV_DONTNEED, first, end - first)
