@@ -6,6 +6,7 @@ token windows they were recorded on are stored too (`windows`), for `accel quant
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import torch
 
 from accel.calibrate.run import CalibContext, register_kind
 from accel.errors import AccelError
-from accel.formats.artifact import Artifact, write_weights
+from accel.formats.artifact import Artifact, WeightsWriter
 from accel.formats.tensor import encode_tensor
 from accel.progress import SILENT, Progress
 from accel.quantize.methods import is_quantizable
@@ -40,49 +41,193 @@ def input_gram(x: torch.Tensor) -> np.ndarray:
     return xtx.numpy()
 
 
+Sink = Callable[[dict[str, np.ndarray]], None]
+
+
+class _Recorder:
+    """Sums of xᵀx by Hessian key, filled by forward pre-hooks on linear layers and by the expert hooks."""
+
+    def __init__(self, linears: dict[str, torch.nn.Linear]):
+        self.linears = linears  # weight name -> module, every quantizable nn.Linear of the model
+        self.sums: dict[str, np.ndarray] = {}
+        self.key_of: dict[str, str] = {}
+        self.last: list = [None, None]  # (input tensor, key) of the previous call: q/k/v and gate/up run back to back
+
+    def hook(self, model: torch.nn.Module, within: Callable[[str], bool]) -> list[Any]:
+        """Record the inputs of the linear layers and fused experts whose names `within` accepts."""
+        def hook_for(weight_name: str):
+            def hook(_module, args):
+                x = args[0]
+                if x is self.last[0]:
+                    self.key_of.setdefault(weight_name, self.last[1])
+                    return
+                key = self.key_of.setdefault(weight_name, weight_name)
+                self.last[0], self.last[1] = x, key
+                add_gram(self.sums, key, x)
+            return hook
+
+        handles = [mod.register_forward_pre_hook(hook_for(name)) for name, mod in self.linears.items() if within(name)]
+        return handles + _expert_hooks(model, self.sums, self.key_of, within)
+
+    def flush(self, sink: Sink, tokens: int) -> None:
+        """Hand the finished means to `sink` and forget them."""
+        broken = sorted(k for k, v in self.sums.items() if not np.isfinite(v).all())
+        if broken:  # activations past float64's range: the model itself computes nothing usable there
+            raise AccelError(f"the inputs of '{broken[0]}' overflow even in float64 (non-finite Hessian): the "
+                             f"model's activations are not finite on this text")
+        for v in self.sums.values():
+            v /= tokens
+        sums, self.sums = self.sums, {}
+        if sums:
+            sink(sums)
+
+
 @torch.inference_mode()
-def collect_hessians(model: torch.nn.Module, windows: np.ndarray, progress: Progress = SILENT
+def collect_hessians(model: torch.nn.Module, windows: np.ndarray, progress: Progress = SILENT,
+                     sink: Sink | None = None, layer_by_layer: bool = True
                      ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Mean x xᵀ over all tokens for each quantizable linear layer.
 
-    Returns (hessians keyed by the first weight name that reads each input, weight name -> key).
+    Returns (hessians keyed by the first weight name that reads each input, weight name -> key). With `sink`, the
+    Hessians go to it a layer at a time instead (the dict returned is empty). The decoder layers run one after the
+    other over all windows (`_layer_by_layer`), so that only one layer's Hessians are in memory, where that
+    reproduces the model's own forward pass bit for bit on the first window; else (or with layer_by_layer False)
+    every window goes through the whole model, all Hessians in memory (the same numbers).
     """
     linears = {f"{name}.weight": mod for name, mod in model.named_modules()
                if isinstance(mod, torch.nn.Linear) and is_quantizable(f"{name}.weight", tuple(mod.weight.shape))}
-    sums: dict[str, np.ndarray] = {}
-    key_of: dict[str, str] = {}
-    last: list = [None, None]  # (input tensor, key) of the previous call: q/k/v and gate/up run back to back
-
-    def hook_for(weight_name: str):
-        def hook(_module, args):
-            x = args[0]
-            if x is last[0]:
-                key_of.setdefault(weight_name, last[1])
-                return
-            key = key_of.setdefault(weight_name, weight_name)
-            last[0], last[1] = x, key
-            add_gram(sums, key, x)
-        return hook
-
-    handles = [mod.register_forward_pre_hook(hook_for(name)) for name, mod in linears.items()]
-    handles += _expert_hooks(model, sums, key_of)
+    recorder = _Recorder(linears)
+    kept: dict[str, np.ndarray] = {}
+    sink = sink if sink is not None else kept.update
+    _use_eager_experts(model)
     body = getattr(model, model.base_model_prefix, model)  # the decoder alone: the LM head adds nothing here
+    stack = _decoder_stack(model, body)
+    if not layer_by_layer or stack is None or not _layer_by_layer_matches(body, stack[1], windows[0]):
+        _whole_model(body, model, windows, recorder, progress)
+        recorder.flush(sink, windows.size)
+    else:
+        _layer_by_layer(body, model, stack, windows, recorder, progress, sink)
+    return kept, dict(sorted(recorder.key_of.items()))
+
+
+def _run(body: torch.nn.Module, window: np.ndarray) -> None:
+    body(input_ids=torch.from_numpy(np.ascontiguousarray(window))[None], use_cache=False)
+
+
+def _whole_model(body, model, windows, recorder: _Recorder, progress: Progress) -> None:
+    """Every window through the whole decoder with every layer hooked: all Hessians in memory at once."""
+    handles = recorder.hook(model, lambda name: True)
     try:
         progress.stage("calibrating (Hessians)", len(windows))
         for window in windows:
-            last[0] = None
-            body(input_ids=torch.from_numpy(np.ascontiguousarray(window))[None])
+            recorder.last[0] = None
+            _run(body, window)
             progress.advance()
         progress.close()
     finally:
         for h in handles:
             h.remove()
-    tokens = windows.size
-    broken = sorted(k for k, v in sums.items() if not np.isfinite(v).all())
-    if broken:  # activations past float64's range: the model itself computes nothing usable there
-        raise AccelError(f"the inputs of '{broken[0]}' overflow even in float64 (non-finite Hessian): the model's "
-                         f"activations are not finite on this text")
-    return {k: v / tokens for k, v in sums.items()}, dict(sorted(key_of.items()))
+
+
+def _decoder_stack(model: torch.nn.Module, body: torch.nn.Module) -> tuple[str, torch.nn.ModuleList] | None:
+    """(name in `model`, module list) of the decoder layers: the ModuleList of `*DecoderLayer` modules."""
+    names = {id(m): n for n, m in model.named_modules()}
+    for module in body.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) and all(
+                type(layer).__name__.endswith("DecoderLayer") for layer in module):
+            return names[id(module)], module
+    return None
+
+
+class _Captured:
+    """What the decoder passes to each layer for one window: the first layer's input, and every layer's other
+    arguments (masks, rotary tables, positions), recorded by running the decoder with each layer replaced by
+    the identity."""
+
+    def __init__(self, body: torch.nn.Module, stack: torch.nn.ModuleList, window: np.ndarray):
+        self.hidden: torch.Tensor | None = None
+        self.calls: list[tuple[tuple, dict[str, Any]]] = []
+
+        def passthrough(*args, **kwargs):
+            hidden = args[0] if args else kwargs.pop("hidden_states")
+            if self.hidden is None:
+                self.hidden = hidden
+            self.calls.append((args[1:], kwargs))
+            return hidden
+
+        for layer in stack:
+            layer.forward = passthrough
+        try:
+            _run(body, window)
+        finally:
+            for layer in stack:
+                del layer.forward
+        if self.hidden is None or len(self.calls) != len(stack):
+            raise _NotLayerByLayer()
+
+    def run_layer(self, stack: torch.nn.ModuleList, i: int, hidden: torch.Tensor) -> torch.Tensor:
+        args, kwargs = self.calls[i]
+        out = stack[i](hidden, *args, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+
+class _NotLayerByLayer(Exception):
+    pass
+
+
+def _layer_by_layer_matches(body, stack: torch.nn.ModuleList, window: np.ndarray) -> bool:
+    """Whether running the layers one by one on what the decoder passes them reproduces, bit for bit, the last
+    layer's output of a whole forward pass (a model whose decoder does more between its layers would not)."""
+    seen: list[torch.Tensor] = []
+    handle = stack[-1].register_forward_hook(
+        lambda _m, _a, out: seen.append(out[0] if isinstance(out, tuple) else out))
+    try:
+        _run(body, window)
+    finally:
+        handle.remove()
+    try:
+        captured = _Captured(body, stack, window)
+        hidden = captured.hidden
+        for i in range(len(stack)):
+            hidden = captured.run_layer(stack, i, hidden)
+    except (_NotLayerByLayer, TypeError, IndexError, ValueError, RuntimeError):
+        return False
+    return len(seen) == 1 and hidden.shape == seen[0].shape and torch.equal(hidden, seen[0])
+
+
+def _layer_by_layer(body, model, stack_named: tuple[str, torch.nn.ModuleList], windows: np.ndarray,
+                    recorder: _Recorder, progress: Progress, sink: Sink) -> None:
+    """The Hessians a layer at a time (GPTQ's sequential order): all windows' hidden states go through layer i,
+    its Hessians go to `sink`, then layer i+1. Linear layers outside the stack are recorded while the decoder's
+    arguments are captured. Memory: the hidden states of all windows, and one layer's Hessians."""
+    prefix, stack = stack_named
+    progress.stage("calibrating (Hessians, layer by layer)", len(stack) + 1)
+    outside = recorder.hook(model, lambda name: not name.startswith(prefix + "."))
+    try:
+        captured = []
+        for window in windows:
+            recorder.last[0] = None
+            captured.append(_Captured(body, stack, window))
+    finally:
+        for h in outside:
+            h.remove()
+    recorder.flush(sink, windows.size)  # the layers outside the stack are done
+    hidden = [c.hidden for c in captured]
+    for c in captured:
+        c.hidden = None  # held once, in `hidden`
+    progress.advance()
+    for i in range(len(stack)):
+        handles = recorder.hook(model, lambda name, i=i: name.startswith(f"{prefix}.{i}."))
+        try:
+            for w, c in enumerate(captured):
+                recorder.last[0] = None
+                hidden[w] = c.run_layer(stack, i, hidden[w])
+        finally:
+            for h in handles:
+                h.remove()
+        recorder.flush(sink, windows.size)
+        progress.advance()
+    progress.close()
 
 
 def expert_key(param_name: str, expert: int) -> str:
@@ -110,18 +255,36 @@ def recorded_experts(param_name: str, recorded: dict[str, str]) -> list[str]:
                   key=lambda w: int(w[len(prefix):]))
 
 
-def _expert_hooks(model: torch.nn.Module, sums: dict[str, np.ndarray], key_of: dict[str, str]) -> list[Any]:
-    """Hooks that record the inputs of each expert of a fused mixture-of-experts module (transformers 5 holds all
-    experts' projections in one 3-D parameter, [experts, out, in], and multiplies each routed token group by a slice
-    with F.linear). While such a module runs, F.linear is wrapped: a call whose weight is expert e's slice of one of
-    its 3-D parameters adds xᵀx to `<param>.<e>`. The module runs its eager loop for this (the grouped kernels would
-    not call F.linear). An expert no token reached has no Hessian; quantize says so."""
+def _fused_experts(model: torch.nn.Module) -> dict[str, dict[str, torch.nn.Parameter]]:
+    """Module name -> its 3-D parameters ([experts, out, in]), for each fused mixture-of-experts module."""
     fused = {name: {p_name: p for p_name, p in mod.named_parameters(recurse=False) if p.ndim == 3}
              for name, mod in model.named_modules()
              if not isinstance(mod, torch.nn.modules.conv._ConvNd)}  # a convolution's weight is 3-D too
+    return {name: params for name, params in fused.items() if params}
+
+
+def _use_eager_experts(model: torch.nn.Module) -> None:
+    """Fused experts run their eager loop, whose F.linear calls `_expert_hooks` sees (the grouped kernels make
+    none): set before any forward pass, so that every pass computes the same way."""
+    for name in _fused_experts(model):
+        config = getattr(model.get_submodule(name), "config", None)
+        if config is not None and hasattr(config, "_experts_implementation"):
+            config._experts_implementation = "eager"
+
+
+def _expert_hooks(model: torch.nn.Module, sums: dict[str, np.ndarray], key_of: dict[str, str],
+                  within: Callable[[str], bool] = lambda name: True) -> list[Any]:
+    """Hooks that record the inputs of each expert of a fused mixture-of-experts module (transformers 5 holds all
+    experts' projections in one 3-D parameter, [experts, out, in], and multiplies each routed token group by a slice
+    with F.linear). While such a module runs, F.linear is wrapped: a call whose weight is expert e's slice of one of
+    its 3-D parameters adds xᵀx to `<param>.<e>`. The module runs its eager loop for this (`_use_eager_experts`).
+    An expert no token reached has no Hessian; quantize says so. Only the parameters `within` accepts."""
+    fused = {name: {p_name: p for p_name, p in params.items() if within(f"{name}.{p_name}")}
+             for name, params in _fused_experts(model).items()}
     fused = {name: params for name, params in fused.items() if params}
     if not fused:
         return []
+    _use_eager_experts(model)
     original = torch.nn.functional.linear
 
     def recording(params: dict[str, torch.nn.Parameter], prefix: str):
@@ -141,9 +304,6 @@ def _expert_hooks(model: torch.nn.Module, sums: dict[str, np.ndarray], key_of: d
     handles = []
     for name, params in fused.items():
         module = model.get_submodule(name)
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "_experts_implementation"):
-            config._experts_implementation = "eager"
 
         def pre(_module, _args, _kwargs=None, params=params, name=name):
             torch.nn.functional.linear = recording(params, name)
@@ -158,14 +318,21 @@ def _expert_hooks(model: torch.nn.Module, sums: dict[str, np.ndarray], key_of: d
 
 @register_kind("weights")
 def record_hessians(ctx: CalibContext) -> dict[str, Any]:
-    """`accel calibrate --for weights`: the Hessians of every quantizable layer, into <calib>/weights."""
-    hessians, key_of = collect_hessians(ctx.loaded.model, ctx.windows, ctx.progress)
-    encoded = [encode_tensor(k, h.astype(np.float32), "raw", role="data", dtype="float32")
-               for k, h in hessians.items()]
-    if ctx.windows.size and int(ctx.windows.max()) < 1 << 24:
-        encoded.append(encode_tensor(WINDOWS, ctx.windows.astype(np.float32), "raw", role="data", dtype="float32"))
-    write_weights(ctx.out_dir, encoded, extra={"hessians": key_of, "tokens": int(ctx.windows.size)})
-    return {"hessians": len(hessians), "layers": len(key_of)}
+    """`accel calibrate --for weights`: the Hessians of every quantizable layer, into <calib>/weights, written a
+    layer at a time (WeightsWriter spills each layer's; the files are the same bytes as writing them at once)."""
+    count = 0
+    with WeightsWriter(ctx.out_dir) as writer:
+        def sink(hessians: dict[str, np.ndarray]) -> None:
+            nonlocal count
+            for k, h in hessians.items():
+                writer.add(encode_tensor(k, h.astype(np.float32), "raw", role="data", dtype="float32"))
+            count += len(hessians)
+
+        _, key_of = collect_hessians(ctx.loaded.model, ctx.windows, ctx.progress, sink)
+        if ctx.windows.size and int(ctx.windows.max()) < 1 << 24:
+            writer.add(encode_tensor(WINDOWS, ctx.windows.astype(np.float32), "raw", role="data", dtype="float32"))
+        writer.finish(extra={"hessians": key_of, "tokens": int(ctx.windows.size)})
+    return {"hessians": count, "layers": len(key_of)}
 
 
 class HessianStore:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from accel.errors import AccelError
 from accel.eval.data import check_context, read_text, token_windows
 from accel.formats.atomic import atomic_write_text, output_dir, path_for_report
 from accel.progress import SILENT, Progress
+from accel.usage import peak_rss_mb
 
 # kind -> (module that registers it, issue that tracks it)
 KIND_MODULES = {"weights": ("accel.calibrate.hessians", 3), "kv": ("accel.calibrate.kv", 5),
@@ -115,6 +117,7 @@ def calibrate(model: str, data: Path, out: Path, kinds: list[str], settings: Cal
     from accel.formats.filehash import file_sha256
     from accel.quantize.pipeline import model_files_sha256
 
+    started = time.perf_counter()
     if not kinds:
         raise AccelError("--for is empty: choose from weights, kv, state")
     runners = {kind: get_kind(kind) for kind in dict.fromkeys(kinds)}
@@ -149,4 +152,4 @@ def calibrate(model: str, data: Path, out: Path, kinds: list[str], settings: Cal
                     "files": calibration_files_sha256(tmp)}
         atomic_write_text(tmp / CALIB_MANIFEST, json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False) + "\n")
     return {"out": path_for_report(out), "for": list(runners), "windows": len(windows), "tokens": int(windows.size),
-            **reports}
+            "seconds": time.perf_counter() - started, "peak_rss_mb": peak_rss_mb(), **reports}

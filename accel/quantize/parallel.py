@@ -8,8 +8,9 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
-from collections.abc import Iterator
-from concurrent.futures import Executor, ProcessPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, Future, ProcessPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -77,4 +78,20 @@ def stop_pool(pool: ProcessPoolExecutor) -> None:
         process.terminate()
     for process in workers:
         process.join(timeout=5)
+
+
+
+@dataclass(frozen=True)
+class Workers:
+    """Where quantize sends its per-tensor work: `submit(encode_one, ...)` gives a Future; `count` workers."""
+
+    submit: Callable[..., Future]
+    count: int
+
+
+@contextlib.contextmanager
+def workers(jobs: int) -> Iterator[Workers | None]:
+    """The local pool of `jobs` processes (None for one: the caller works in-process)."""
+    with worker_pool(jobs) as pool:
+        yield None if pool is None else Workers(pool.submit, jobs)
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import resource
 import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -17,7 +17,7 @@ from accel.calibrate import CALIB_MANIFEST
 from accel.converters.checkpoint_names import NameMap, name_map
 from accel.errors import AccelError
 from accel.formats import jsontext
-from accel.formats.artifact import MANIFEST_FILE, Artifact, sidecar_files_sha256, write_weights
+from accel.formats.artifact import MANIFEST_FILE, Artifact, Encoded, WeightsWriter, sidecar_files_sha256
 from accel.formats.atomic import atomic_write_text, check_output_dir, output_dir, path_for_report
 from accel.formats.container import FORMAT_VERSION
 from accel.formats.filehash import file_sha256
@@ -26,7 +26,8 @@ from accel.formats.tensor import decode_parts, encode_tensor
 from accel.progress import SILENT, Progress
 from accel.quantize.maps import BuildContext, encode_map, parse_spec
 from accel.quantize.methods import WeightMethod, WeightSettings, get_weight_method, is_quantizable
-from accel.quantize.parallel import FixedHessian, default_jobs, encode_one, worker_pool
+from accel.quantize.parallel import FixedHessian, default_jobs, encode_one, workers
+from accel.usage import peak_rss_mb
 
 DEFAULT_GROUP = 64  # the affine methods' group size when --group is not given
 
@@ -255,6 +256,7 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
     calib = [Path(settings.calib)] if settings.calib is not None else []  # an input too: never overwritten
     check_output_dir(Path(out), force, [Path(model)] + calib)
     method: WeightMethod | None = get_weight_method(settings.weights) if settings.weights else None
+    parallel = method is not None and method.parallel
     hessians = None
     if settings.calib is not None and method is not None and method.uses_calibration:
         from accel.calibrate.hessians import HessianStore
@@ -278,52 +280,64 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
         names = source.tensor_names()
         model_names, quantized = _plan_tensors(source, names, method, settings, hessians)
         warnings += unreached_warnings(quantized, model_names)
-        with output_dir(Path(out), force, inputs=inputs + [Path(model), source.path] + calib) as tmp:
+        with output_dir(Path(out), force, inputs=inputs + [Path(model), source.path] + calib) as tmp, \
+                WeightsWriter(tmp, settings.max_shard_bytes) as writer:
             progress.stage(f"quantizing ({settings.weights or 'weights kept'})", len(names))
-            results: dict[str, Any] = {}
-            with worker_pool(jobs if method is not None and method.parallel else 1) as pool:
+            summary: dict[str, dict[str, Any]] = {}
+            held: list[Encoded] = []  # --tune-steps refits the leech tensors' scales after all are quantized
+
+            def store(item: Encoded) -> None:
+                entry, arrays = item
+                summary[entry.name] = {"codec": entry.codec, "layout": entry.layout, "role": entry.role,
+                                       "bytes": int(sum(a.nbytes for a in arrays.values()))}
+                if settings.tune_steps:
+                    held.append(item)
+                else:
+                    writer.add(item)
+                progress.advance()
+
+            with workers(jobs if parallel else 1) as pool:
+                used_workers = 1 if pool is None else pool.count
+                pending: deque[Future] = deque()  # at most 2 a worker: the source is read as the workers go
                 for name in names:
                     x = source.load_tensor(name)
                     if not np.isfinite(x).all():
                         raise AccelError(f"tensor '{name}' holds NaN or Inf values; refusing to quantize it")
                     if name not in quantized:
-                        results[name] = keep_tensor(source, name, x)
-                        progress.advance()
+                        store(keep_tensor(source, name, x))
                         continue
                     own = replace(weight_settings, hessians=None if hessians is None else
                                   FixedHessian(name, hessians.get(quantized[name], x.shape[1])))
                     if pool is None:
-                        results[name] = encode_one(settings.weights, name, x, own)
-                        progress.advance()
-                    else:
-                        results[name] = pool.submit(encode_one, settings.weights, name, x, own)
-                for name, result in results.items():
-                    if isinstance(result, Future):
-                        results[name] = result.result()
-                        progress.advance()
-            encoded = [results[name] for name in names]
-            del results
+                        store(encode_one(settings.weights, name, x, own))
+                        continue
+                    pending.append(pool.submit(encode_one, settings.weights, name, x, own))
+                    while len(pending) >= 2 * pool.count:
+                        store(pending.popleft().result())
+                while pending:
+                    store(pending.popleft().result())
             progress.close()
             tuned = None
             if settings.tune_steps:
                 from accel.quantize.leech_tune import tune_leech_scales
 
-                tuned = tune_leech_scales(dict(source.config), {n: source.load_tensor(n) for n in names}, encoded,
+                tuned = tune_leech_scales(dict(source.config), {n: source.load_tensor(n) for n in names}, held,
                                           hessians.windows(), settings.tune_steps, seed=settings.seed,
                                           progress=progress, model_name=model_names.model_name)
+                for item in held:
+                    writer.add(item)
+                del held[:]
             maps_doc = {}
             for kind, stored in maps.items():
                 maps_doc[kind], map_tensors = encode_map(stored)
-                encoded.extend(map_tensors)
-            write_weights(tmp, encoded, settings.max_shard_bytes, extra={"maps": maps_doc} if maps_doc else None)
+                for item in map_tensors:
+                    writer.add(item)
+            writer.finish(extra={"maps": maps_doc} if maps_doc else None)
             source.save_support_files(tmp)
             config = dict(source.config)
             config["accel"] = {"format_version": FORMAT_VERSION, "weights": settings.weights,
                                **{kind: getattr(settings, kind) for kind in maps}}
             (tmp / "config.json").write_bytes(config_json_bytes(config))
-            summary = {e.name: {"codec": e.codec, "layout": e.layout, "role": e.role,
-                                "bytes": int(sum(a.nbytes for a in arrays.values()))} for e, arrays in encoded}
-            del encoded
             manifest = {
                 "producer": f"accel {__version__}",
                 "source": str(model),
@@ -342,9 +356,8 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
         "weights": settings.weights,
         "bits_per_weight": bpw,
         "seconds": time.perf_counter() - started,
-        "peak_rss_mb": max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF,
-                                                                          resource.RUSAGE_CHILDREN)) / 1024.0,
-        "jobs": jobs if method is not None and method.parallel else 1,
+        "peak_rss_mb": peak_rss_mb(),
+        "jobs": used_workers,
         "maps": {kind: m.method for kind, m in maps.items()},
         "tensors": len(summary),
         "quantized_tensors": sum(1 for s in summary.values() if s["role"] == "quantized"),
