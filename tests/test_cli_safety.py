@@ -411,7 +411,7 @@ def _interrupt_after_a_bar(monkeypatch, terminated: bool):
 
     monkeypatch.setattr(common, "stderr_animates", lambda: True)
 
-    def stopped(model, out, settings, force=False, progress=None, jobs=None):
+    def stopped(model, out, settings, force=False, progress=None, jobs=None, ray=None):
         progress.stage("quantizing", 10)
         progress.advance()
         if terminated:

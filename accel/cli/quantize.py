@@ -26,6 +26,8 @@ def register(app: typer.Typer) -> None:
                                        "source model on the calibration windows, this many steps (docs/leech.md)."),
         seed: int = typer.Option(0, "--seed", min=0, max=2**32 - 1, help="Seed for every randomized step."),
         jobs: int = typer.Option(None, "--jobs", help="Worker processes for heavy methods (default: one per core)."),
+        ray: str = typer.Option(None, "--ray", help="Run the heavy methods' tensors on a Ray cluster: an address "
+                                "ray.init takes (auto, ray://HOST:10001) or local (a Ray instance of --jobs CPUs)."),
         force: bool = typer.Option(False, "--force", help="Replace an existing --out."),
         json_out: bool = JSON_OPTION,
     ) -> None:
@@ -35,7 +37,7 @@ def register(app: typer.Typer) -> None:
         settings = QuantizeSettings(weights=weights, group=group, layout=layout, seed=seed,
                                     calib=str(calib) if calib else None, kv=kv, state=state,
                                     tune_steps=tune_steps)
-        report = quantize_model(model, out, settings, force=force, progress=BarProgress(), jobs=jobs)
+        report = quantize_model(model, out, settings, force=force, progress=BarProgress(), jobs=jobs, ray=ray)
         print_warnings(report["warnings"])
         if json_out:
             emit_json(report)

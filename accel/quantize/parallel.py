@@ -11,9 +11,11 @@ import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from accel.converters.sources import one_line
 from accel.errors import AccelError
 from accel.quantize.methods import Encoded, WeightSettings, get_weight_method
 
@@ -90,8 +92,74 @@ class Workers:
 
 
 @contextlib.contextmanager
-def workers(jobs: int) -> Iterator[Workers | None]:
-    """The local pool of `jobs` processes (None for one: the caller works in-process)."""
+def workers(jobs: int, ray_address: str | None = None) -> Iterator[Workers | None]:
+    """The local pool of `jobs` processes (None for one: the caller works in-process), or with `ray_address` the
+    CPUs of a Ray cluster (`ray_workers`)."""
+    if ray_address is not None:
+        with ray_workers(ray_address, jobs) as cluster:
+            yield cluster
+        return
     with worker_pool(jobs) as pool:
         yield None if pool is None else Workers(pool.submit, jobs)
 
+
+def _accel_version() -> str:
+    from accel import __version__
+
+    return __version__
+
+
+@contextlib.contextmanager
+def ray_workers(address: str, jobs: int) -> Iterator[Workers]:
+    """The per-tensor work on a Ray cluster (design.md §8: an existing engine, nothing home-made). `address` is
+    what `ray.init` takes ("auto", "ray://head:10001", "host:6379"), or "local" for a Ray instance of `jobs` CPUs
+    started for this run. The cluster's workers import accel: its version there must be this one. Each task takes
+    one CPU and one BLAS thread; results come back by tensor name, so the bytes are those of the local pool."""
+    try:
+        import ray
+        from ray.exceptions import RayTaskError
+    except ImportError:
+        raise AccelError("--ray needs Ray installed (pip install 'ray[default]')") from None
+    env = {"env_vars": {k: "1" for k in _THREAD_VARS}}
+    try:
+        if address == "local":
+            ray.init(num_cpus=jobs, include_dashboard=False, log_to_driver=False, configure_logging=False,
+                     runtime_env=env)
+        else:
+            ray.init(address=address, log_to_driver=False, configure_logging=False, runtime_env=env)
+    except Exception as exc:  # noqa: BLE001 - ConnectionError, ValueError (a malformed address), RuntimeError
+        raise AccelError(f"--ray {address}: cannot start or reach a Ray cluster: {one_line(exc)}") from None
+    pending: list[Any] = []
+    try:
+        theirs = ray.get(ray.remote(num_cpus=1)(_accel_version).remote())
+        if theirs != _accel_version():
+            raise AccelError(f"--ray {address}: the cluster's workers run accel {theirs}, this is accel "
+                             f"{_accel_version()}: install the same version there")
+        remote_encode = ray.remote(num_cpus=1)(encode_one)
+
+        def submit(fn: Callable[..., Any], *args: Any) -> Future:
+            if fn is not encode_one:
+                raise ValueError("the Ray workers run encode_one only")
+            ref = remote_encode.remote(*args)
+            pending.append(ref)
+            out: Future = Future()
+
+            def settle(done: Future) -> None:
+                try:
+                    out.set_result(done.result())
+                except RayTaskError as exc:  # the task's own exception (an AccelError), not Ray's wrapper of it
+                    out.set_exception(exc.cause if isinstance(exc.cause, BaseException) else exc)
+                except BaseException as exc:  # noqa: BLE001 - handed on to whoever waits on the result
+                    out.set_exception(exc)
+
+            ref.future().add_done_callback(settle)
+            return out
+
+        yield Workers(submit, max(1, int(ray.cluster_resources().get("CPU", 1))))
+    except BaseException:
+        for ref in pending:
+            with contextlib.suppress(Exception):
+                ray.cancel(ref, force=True)
+        raise
+    finally:
+        ray.shutdown()

@@ -239,16 +239,19 @@ def tokenizer_warnings(source: Any) -> list[str]:
 
 
 def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: bool = False,
-                   progress: Progress = SILENT, jobs: int | None = None) -> dict[str, Any]:
+                   progress: Progress = SILENT, jobs: int | None = None, ray: str | None = None) -> dict[str, Any]:
     """Quantize MODEL into OUT_DIR; returns the report of design.md §3 (`quantize`).
 
-    `jobs` worker processes share the heavy methods' tensors (default: one per core); the bytes written do
-    not depend on it.
+    `jobs` worker processes share the heavy methods' tensors (default: one per core), or with `ray` the CPUs of
+    that Ray cluster (accel.quantize.parallel.ray_workers; "local" starts one of `jobs` CPUs); the bytes written
+    depend on neither.
     """
     from accel.converters import open_model
     from accel.converters.sources import config_json_bytes
 
     started = time.perf_counter()
+    if jobs is not None and ray not in (None, "local"):
+        raise AccelError(f"--jobs sets the local worker count; with --ray {ray} the cluster's CPUs do the work")
     jobs = default_jobs() if jobs is None else jobs
     if jobs < 1:
         raise AccelError(f"--jobs must be at least 1, got {jobs}")
@@ -257,6 +260,9 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
     check_output_dir(Path(out), force, [Path(model)] + calib)
     method: WeightMethod | None = get_weight_method(settings.weights) if settings.weights else None
     parallel = method is not None and method.parallel
+    if ray is not None and not parallel:
+        what = f"--weights {settings.weights} runs in this process" if method else "nothing is quantized"
+        raise AccelError(f"--ray spreads the heavy methods' tensors (leech, gptq) over a cluster; {what}")
     hessians = None
     if settings.calib is not None and method is not None and method.uses_calibration:
         from accel.calibrate.hessians import HessianStore
@@ -296,7 +302,7 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
                     writer.add(item)
                 progress.advance()
 
-            with workers(jobs if parallel else 1) as pool:
+            with workers(jobs if parallel else 1, ray) as pool:
                 used_workers = 1 if pool is None else pool.count
                 pending: deque[Future] = deque()  # at most 2 a worker: the source is read as the workers go
                 for name in names:
@@ -358,6 +364,7 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
         "seconds": time.perf_counter() - started,
         "peak_rss_mb": peak_rss_mb(),
         "jobs": used_workers,
+        **({"ray": ray} if ray is not None else {}),
         "maps": {kind: m.method for kind, m in maps.items()},
         "tensors": len(summary),
         "quantized_tensors": sum(1 for s in summary.values() if s["role"] == "quantized"),

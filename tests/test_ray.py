@@ -1,0 +1,47 @@
+"""quantize on a Ray cluster (design.md §8): the bytes of the local pool, and clean refusals."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from test_cli import assert_one_line_error, run, run_json
+
+pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def calibrated(tiny_llama, tmp_path_factory, text_file):
+    calib = tmp_path_factory.mktemp("ray") / "calib"
+    from accel.calibrate.run import CalibSettings, calibrate
+
+    calibrate(str(tiny_llama), text_file, calib, ["weights"], CalibSettings(samples=4, seq_len=32))
+    return calib
+
+
+def test_a_local_ray_instance_writes_the_local_pools_bytes(capsys, tiny_llama, calibrated, tmp_path):
+    """gptq3 and leech2 tensors quantized by Ray tasks: every output file equals the local pool's, byte for byte."""
+    for weights in ("gptq3", "leech2"):
+        common = ["quantize", tiny_llama, "--weights", weights, "--calib", calibrated]
+        pool = run_json(capsys, *common, "--out", tmp_path / f"{weights}-pool", "--jobs", "2")
+        ray = run_json(capsys, *common, "--out", tmp_path / f"{weights}-ray", "--ray", "local", "--jobs", "2")
+        assert pool["jobs"] == 2 and ray["jobs"] == 2 and ray["ray"] == "local" and "ray" not in pool
+        files = sorted(p.name for p in (tmp_path / f"{weights}-pool").iterdir())
+        assert files == sorted(p.name for p in (tmp_path / f"{weights}-ray").iterdir())
+        for name in files:
+            assert (tmp_path / f"{weights}-pool" / name).read_bytes() == (tmp_path / f"{weights}-ray" / name).read_bytes()
+
+
+def test_ray_refusals(capsys, tiny_llama, calibrated, tmp_path, monkeypatch):
+    common = ["quantize", tiny_llama, "--out", tmp_path / "x"]
+    code, _, err = run(capsys, *common, "--weights", "rtn3", "--ray", "local")
+    assert_one_line_error(code, err, contains="runs in this process")
+    code, _, err = run(capsys, *common, "--weights", "gptq3", "--calib", calibrated, "--ray", "auto", "--jobs", "2")
+    assert_one_line_error(code, err, contains="--jobs sets the local worker count")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    code, _, err = run(capsys, *common, "--weights", "gptq3", "--calib", calibrated, "--ray", "auto")
+    assert_one_line_error(code, err, contains="cannot start or reach a Ray cluster")
+    monkeypatch.setitem(sys.modules, "ray", None)  # not installed
+    code, _, err = run(capsys, *common, "--weights", "gptq3", "--calib", calibrated, "--ray", "local")
+    assert_one_line_error(code, err, contains="--ray needs Ray installed")
+    assert not (tmp_path / "x").exists()
