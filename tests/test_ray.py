@@ -45,3 +45,19 @@ def test_ray_refusals(capsys, tiny_llama, calibrated, tmp_path, monkeypatch):
     code, _, err = run(capsys, *common, "--weights", "gptq3", "--calib", calibrated, "--ray", "local")
     assert_one_line_error(code, err, contains="--ray needs Ray installed")
     assert not (tmp_path / "x").exists()
+
+
+def test_a_tasks_own_error_comes_back_as_itself():
+    """An AccelError raised in a Ray task reaches the caller as that AccelError (one line naming the tensor), not as
+    Ray's wrapper with the remote traceback in its text."""
+    import numpy as np
+
+    from accel.errors import AccelError
+    from accel.quantize.methods import WeightSettings
+    from accel.quantize.parallel import encode_one, ray_workers
+
+    with ray_workers("local", 1) as cluster:
+        assert cluster.count == 1
+        future = cluster.submit(encode_one, "rtn3", "w", np.zeros((4, 5), np.float32), WeightSettings(group=0))
+        error = future.exception(timeout=120)
+    assert type(error) is AccelError and str(error) == "tensor 'w': affine group must be positive, got 0"
