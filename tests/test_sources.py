@@ -18,7 +18,7 @@ from accel.converters import ALIASES, build_transformers_model, open_model, reso
 from accel.converters.aliases import alias_table
 from accel.converters.gguf_file import GGUFSource
 from accel.converters.hf_dir import HFDirSource
-from accel.errors import AccelError
+from accel.errors import AccelError, FormatError
 
 TINY = {
     "vocab_size": 96,
@@ -476,6 +476,128 @@ def test_llama3_rope_scaling_refuses_divisors_it_cannot_reproduce():
     with pytest.raises(AccelError, match="not a Llama 3 rope scaling"):
         llama3_rope_scaling(wobbly, 500000.0, 32)
     assert rotary_frequencies(500000.0, 32).dtype == np.float32
+
+
+def random_mixtral(seed: int = 11) -> torch.nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    config = MixtralConfig(**{**TINY, "num_local_experts": 4, "num_experts_per_tok": 2, "rope_theta": 1e6})
+    model = MixtralForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.1 * torch.randn_like(param))
+    return model
+
+
+def write_mixtral_gguf(path: Path, model, stacked: bool = True, quant: gguf.GGMLQuantizationType | None = None
+                       ) -> None:
+    """A Mixtral as llama.cpp writes it: a "llama" file with expert_count, Q/K permuted, the router as ffn_gate_inp
+    and the experts stacked ([experts, rows, columns], ffn_gate_exps / ffn_up_exps / ffn_down_exps) or, as older
+    converters did, one tensor an expert (ffn_gate.<e>); `quant` stores the experts in that type."""
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_expert_count(cfg.num_local_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    writer.add_vocab_size(cfg.vocab_size)
+
+    def add(name: str, array: np.ndarray, quantized: bool = False) -> None:
+        if quantized and quant is not None and array.shape[-1] % 32 == 0:  # blocks of 32 along a row
+            writer.add_tensor(name, gguf.quants.quantize(array, quant), raw_dtype=quant)
+        else:
+            writer.add_tensor(name, array)
+
+    for name, tensor in model.state_dict().items():
+        array = tensor.numpy()
+        stem, suffix = name.rsplit(".", 1)
+        if ".mlp.experts." in name:
+            layer = name.split(".")[2]
+            parts = {"ffn_down": array} if name.endswith("down_proj") else dict(
+                zip(("ffn_gate", "ffn_up"), np.split(array, 2, axis=1), strict=True))
+            for part, stack in parts.items():
+                if stacked:
+                    add(f"blk.{layer}.{part}_exps.weight", np.ascontiguousarray(stack), quantized=True)
+                else:
+                    for e in range(stack.shape[0]):
+                        add(f"blk.{layer}.{part}.{e}.weight", np.ascontiguousarray(stack[e]), quantized=True)
+            continue
+        if stem.startswith("model.layers."):
+            _, _, layer, part = stem.split(".", 3)
+            gguf_part = "ffn_gate_inp" if part == "mlp.gate" else _HF_TO_GGUF[part]
+            gguf_name = f"blk.{layer}.{gguf_part}.{suffix}"
+        else:
+            gguf_name = f"{_HF_TO_GGUF[stem]}.{suffix}"
+        if "q_proj" in name:
+            array = llama_cpp_permute(array, cfg.num_attention_heads)
+        elif "k_proj" in name:
+            array = llama_cpp_permute(array, cfg.num_key_value_heads)
+        add(gguf_name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+def test_mixtral_gguf_builds_the_model_it_was_written_from(tmp_path, stacked):
+    """llama.cpp's Mixtral files (stacked experts, or one tensor an expert) were refused. Their experts are listed
+    under Mixtral's published per-expert names, one slice each, and the model built from them gives the written
+    model's logits bit for bit."""
+    model = random_mixtral()
+    path = tmp_path / "mixtral.gguf"
+    write_mixtral_gguf(path, model, stacked=stacked)
+    src = open_model(path)
+    assert src.config["model_type"] == "mixtral" and src.config["num_local_experts"] == 4
+    assert src.config["num_experts_per_tok"] == 2
+    names = src.tensor_names()
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in names
+    assert "model.layers.0.block_sparse_moe.gate.weight" in names
+    gate_up = model.state_dict()["model.layers.1.mlp.experts.gate_up_proj"].numpy()
+    assert np.array_equal(src.load_tensor("model.layers.1.block_sparse_moe.experts.2.w3.weight"),
+                          np.split(gate_up[2], 2, axis=0)[1])
+    built = build_transformers_model(src.config, dict(src.iter_tensors()))
+    ids = tokens()
+    with torch.no_grad():
+        assert torch.equal(built(ids).logits, model(ids).logits)
+
+
+def test_mixtral_gguf_quantized_experts_are_sliced_per_expert(tmp_path):
+    """Q8_0 stacked experts: each expert's tensor is gguf's dequantization of the whole stack, its slice, and is
+    kept on its own grid bit for bit (native_grid reads the expert's blocks)."""
+    model = random_mixtral()
+    path = tmp_path / "mixtral-q8.gguf"
+    write_mixtral_gguf(path, model, quant=gguf.GGMLQuantizationType.Q8_0)
+    src = open_model(path)
+    reader = gguf.GGUFReader(str(path))
+    stacks = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in reader.tensors if "_exps" in t.name}
+    for e in range(4):
+        name = f"model.layers.0.block_sparse_moe.experts.{e}.w1.weight"
+        assert np.array_equal(src.load_tensor(name), stacks["blk.0.ffn_gate_exps.weight"][e])
+        grid = src.native_grid(name)
+        assert grid is not None and grid["levels"] == 256 and grid["scale"].shape == (TINY["intermediate_size"], 1)
+
+
+def test_mixtral_gguf_refusals(tmp_path):
+    model = random_mixtral()
+    path = tmp_path / "mixtral.gguf"
+    write_mixtral_gguf(path, model)
+    data = bytearray(path.read_bytes())
+    key = b"llama.expert_used_count"
+    at = data.index(key) + len(key) + 4  # the value after its uint32 type tag
+    data[at:at + 4] = (9).to_bytes(4, "little")
+    (tmp_path / "bad.gguf").write_bytes(bytes(data))
+    with pytest.raises(FormatError, match="expert_used_count 9 with 4 experts"):
+        open_model(tmp_path / "bad.gguf")
 
 
 def test_refuses_unsupported_gguf_architecture(tmp_path):

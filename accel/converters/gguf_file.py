@@ -1,6 +1,9 @@
 """GGUF files (llama.cpp): memory-mapped, dequantized to float32 one tensor at a time, under HF names.
 
-The llama (Llama, Mistral: llama.cpp converts both as "llama"), qwen2 and qwen3 architectures are mapped. For
+The llama (Llama, Mistral: llama.cpp converts both as "llama"; Mixtral, a llama file with experts), qwen2 and
+qwen3 architectures are mapped. A Mixtral file's stacked experts (`ffn_gate_exps`, [experts, rows, columns]) are
+listed under the published per-expert checkpoint names (`block_sparse_moe.experts.<e>.w1`, w3, w2), each one
+slice of its GGUF tensor, so the model is built from them as from a published Hugging Face checkpoint. For
 llama, llama.cpp's converter permutes the rows of the Q and K projections (it interleaves the two rotary halves of
 every head); `unpermute_qk` undoes it, as transformers' GGUF loader does. Qwen2/Qwen3 are written unpermuted (their
 rotary embedding is the same rotate-half as transformers').
@@ -35,6 +38,12 @@ _LLAMA_BLOCK = {
     "ffn_down": "mlp.down_proj",
 }
 _QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# Mixtral (a llama file with experts): the router, and each projection of the experts as Mixtral's published
+# checkpoints name them (w1 gate, w3 up, w2 down), stacked (`ffn_gate_exps`) or one tensor an expert (older files)
+_MOE_ROUTER = ("ffn_gate_inp", "block_sparse_moe.gate")
+_MOE_EXPERTS = {"ffn_gate": "w1", "ffn_up": "w3", "ffn_down": "w2"}
+_STACKED_RE = re.compile(r"blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)_exps\.weight")
+_PER_EXPERT_RE = re.compile(r"blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)\.(\d+)\.weight")
 _LLAMA_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # GGUF architecture -> (model_type, the transformers class), as config.json names them.
 HF_ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
@@ -67,6 +76,7 @@ class _Entry:
     shape: tuple[int, ...]  # HF (PyTorch) orientation
     dtype: str
     qk_heads: int | None  # set for Q/K projections: the head count to unpermute with
+    expert: int | None = None  # set for one expert's slice of a stacked experts tensor
 
 
 def _scalar(reader: Any, key: str, default: Any = None) -> Any:
@@ -145,7 +155,8 @@ class GGUFSource(ModelSource):
         scaling = self._meta("rope.scaling.type")
         if scaling not in (None, "none"):
             raise AccelError(f"{self.path}: {arch} GGUF with rope scaling {scaling!r} is not supported yet")
-        if self._meta("expert_count"):
+        experts = int(self._meta("expert_count", 0) or 0)
+        if experts and arch != "llama":
             raise AccelError(f"{self.path}: mixture-of-experts {arch} GGUF files are not supported yet")
 
         embed = self._tensors.get("token_embd.weight")
@@ -157,7 +168,7 @@ class GGUFSource(ModelSource):
             raise FormatError(f"{self.path}: vocab_size {meta_vocab} but token_embd.weight has {vocab} rows")
 
         names = self._tensors
-        model_type, hf_class = HF_ARCHITECTURES[arch]
+        model_type, hf_class = ("mixtral", "MixtralForCausalLM") if experts else HF_ARCHITECTURES[arch]
         config: dict[str, Any] = {
             "architectures": [hf_class],
             "model_type": model_type,
@@ -178,9 +189,17 @@ class GGUFSource(ModelSource):
         if scaling is not None:
             config["rope_scaling"] = scaling
         block_biases = {n.split(".")[2] for n in names if n.startswith("blk.") and n.endswith(".bias")}
-        if arch in ("llama", "qwen3"):  # qwen2's q/k/v biases are part of its class, not of its config
+        if experts:
+            used = int(self._meta("expert_used_count", required=True))
+            if not 0 < used <= experts:
+                raise FormatError(f"{self.path}: expert_used_count {used} with {experts} experts")
+            if block_biases:
+                raise AccelError(f"{self.path}: a Mixtral GGUF file with biases ({min(block_biases)}) is not "
+                                 f"supported")
+            config.update(num_local_experts=experts, num_experts_per_tok=used, sliding_window=None)
+        elif arch in ("llama", "qwen3"):  # qwen2's q/k/v biases are part of its class, not of its config
             config["attention_bias"] = bool(block_biases & {"attn_q", "attn_k", "attn_v", "attn_output"})
-        if arch == "llama":
+        if arch == "llama" and not experts:
             config["mlp_bias"] = any(b.startswith("ffn_") for b in block_biases)
         if arch == "qwen2":
             config["use_sliding_window"] = False  # llama.cpp runs Qwen2 with full attention in every layer
@@ -207,25 +226,57 @@ class GGUFSource(ModelSource):
         except AccelError as err:
             raise AccelError(f"{self.path}: {err}") from None
 
+    def _layer(self, gguf_name: str, layer: str) -> int:
+        if int(layer) >= self.config["num_hidden_layers"]:
+            raise FormatError(f"{self.path}: tensor {gguf_name} is beyond block_count")
+        return int(layer)
+
     def _hf_name(self, gguf_name: str) -> str:
         block = {**_LLAMA_BLOCK, **_QK_NORMS} if self.architecture == "qwen3" else _LLAMA_BLOCK
+        experts = "num_local_experts" in self.config
+        if experts:  # Mixtral has no dense MLP: its ffn_gate/ffn_up/ffn_down are experts
+            block = {k: v for k, v in block.items() if k not in _MOE_EXPERTS}
+            block[_MOE_ROUTER[0]] = _MOE_ROUTER[1]
+            match = _PER_EXPERT_RE.fullmatch(gguf_name)
+            if match:
+                layer, part, expert = match.groups()
+                return self._expert_name(gguf_name, layer, part, int(expert))
         match = _BLOCK_RE.fullmatch(gguf_name)
         if match and match.group(2) in block:
             layer, part, suffix = match.groups()
-            if int(layer) >= self.config["num_hidden_layers"]:
-                raise FormatError(f"{self.path}: tensor {gguf_name} is beyond block_count")
-            return f"model.layers.{int(layer)}.{block[part]}.{suffix}"
+            return f"model.layers.{self._layer(gguf_name, layer)}.{block[part]}.{suffix}"
         match = _TOP_RE.fullmatch(gguf_name)
         if match and match.group(1) in _LLAMA_TOP:
             return f"{_LLAMA_TOP[match.group(1)]}.{match.group(2)}"
         raise AccelError(f"{self.path}: GGUF tensor {gguf_name!r} has no Hugging Face {self.architecture} "
                          f"counterpart")
 
+    def _expert_name(self, gguf_name: str, layer: str, part: str, expert: int) -> str:
+        if expert >= self.config["num_local_experts"]:
+            raise FormatError(f"{self.path}: tensor {gguf_name} is expert {expert} of "
+                              f"{self.config['num_local_experts']}")
+        return (f"model.layers.{self._layer(gguf_name, layer)}.block_sparse_moe.experts.{expert}."
+                f"{_MOE_EXPERTS[part]}.weight")
+
+    def _stacked_entries(self, gguf_name: str, t: Any) -> dict[str, _Entry]:
+        """One entry an expert for a stacked experts tensor ([experts, rows, columns] in PyTorch's order)."""
+        layer, part = _STACKED_RE.fullmatch(gguf_name).groups()
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if len(shape) != 3 or shape[0] != self.config["num_local_experts"]:
+            raise FormatError(f"{self.path}: tensor {gguf_name} is {list(shape)}, not "
+                              f"[{self.config['num_local_experts']} experts, rows, columns]")
+        dtype = _FLOAT_TYPES.get(t.tensor_type.name, "float32")
+        return {self._expert_name(gguf_name, layer, part, e): _Entry(gguf_name, shape[1:], dtype, None, e)
+                for e in range(shape[0])}
+
     def _llama_entries(self) -> dict[str, _Entry]:
         cfg = self.config
         entries: dict[str, _Entry] = {}
         for gguf_name, t in self._tensors.items():
             if gguf_name == ROPE_FREQS:  # part of the config (rope_scaling), not a model tensor
+                continue
+            if "num_local_experts" in cfg and _STACKED_RE.fullmatch(gguf_name):
+                entries.update(self._stacked_entries(gguf_name, t))
                 continue
             hf_name = self._hf_name(gguf_name)
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
@@ -266,13 +317,20 @@ class GGUFSource(ModelSource):
             raise self._unknown_tensor(name)
         return self._entries[name].dtype
 
-    def _dequantized(self, gguf_name: str) -> np.ndarray:
-        """A stored tensor as float32 (flat, GGUF order), a damaged block a FormatError naming it."""
+    def _data(self, gguf_name: str, expert: int | None = None) -> np.ndarray:
+        """A stored tensor's mapped data, or one expert's slice of a stacked experts tensor."""
+        data = self._tensors[gguf_name].data
+        return data if expert is None else data[expert]
+
+    def _dequantized(self, gguf_name: str, expert: int | None = None) -> np.ndarray:
+        """A stored tensor (or one expert of it) as float32 (flat, GGUF order), a damaged block a FormatError
+        naming it."""
         import gguf
 
         t = self._tensors[gguf_name]
         try:
-            return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1)
+            return np.asarray(gguf.quants.dequantize(self._data(gguf_name, expert), t.tensor_type),
+                              dtype=np.float32).reshape(-1)
         except Exception as err:
             raise FormatError(f"{self.path}: cannot dequantize {gguf_name} ({t.tensor_type.name}): "
                               f"{one_line(err)}") from err
@@ -281,22 +339,25 @@ class GGUFSource(ModelSource):
         entry = self._entries.get(name)
         if entry is None:
             raise self._unknown_tensor(name)
-        values = self._dequantized(entry.gguf_name).reshape(entry.shape)
+        values = self._dequantized(entry.gguf_name, entry.expert).reshape(entry.shape)
         if entry.qk_heads is not None:
             values = unpermute_qk(values, entry.qk_heads)
         # A fresh array either way: F32 tensors would otherwise be views of the read-only memory map.
         values = np.array(values, dtype=np.float32, order="C", copy=True)
-        self._release(entry.gguf_name)
+        self._release(entry)
         return values
 
-    def _release(self, gguf_name: str) -> None:
-        """Drop a tensor's mapped pages from this process's resident set once it is copied out (they fault back in
-        from the page cache if read again): a whole file's worth otherwise stayed resident and counted in
-        quantize's peak_rss_mb (docs/architecture.md, "Memory"). numpy's memmap keeps its mmap as `_mmap`."""
-        t = self._tensors[gguf_name]
+    def _release(self, entry: _Entry) -> None:
+        """Drop a tensor's mapped pages (an expert's, of a stacked tensor) from this process's resident set once it
+        is copied out (they fault back in from the page cache if read again): a whole file's worth otherwise
+        stayed resident and counted in quantize's peak_rss_mb (docs/architecture.md, "Memory"). numpy's memmap
+        keeps its mmap as `_mmap`."""
+        t = self._tensors[entry.gguf_name]
         mapped = getattr(self._reader.data, "_mmap", None)
         if isinstance(mapped, mmap.mmap):
-            drop_resident(mapped, int(t.data_offset), int(t.data_offset) + int(t.n_bytes))
+            size = int(t.n_bytes) if entry.expert is None else int(t.n_bytes) // int(t.data.shape[0])
+            start = int(t.data_offset) + (entry.expert or 0) * size
+            drop_resident(mapped, start, start + size)
 
     def native_grid(self, name: str) -> dict[str, Any] | None:
         """Q4_1 blocks (x = d*q + m, q in 0..15) and Q8_0 blocks (x = d*q, q in -128..127; as q + 128 on the grid
@@ -310,13 +371,13 @@ class GGUFSource(ModelSource):
         if kind not in ("Q4_1", "Q8_0") or entry.qk_heads is not None or len(entry.shape) != 2 or entry.shape[1] % 32:
             return None
         rows, groups = entry.shape[0], entry.shape[1] // 32
-        blocks = np.asarray(t.data, dtype=np.uint8).reshape(rows * groups, -1)
+        blocks = np.asarray(self._data(entry.gguf_name, entry.expert), dtype=np.uint8).reshape(rows * groups, -1)
         d = blocks[:, 0:2].copy().view(np.float16).reshape(rows, groups)
         if kind == "Q4_1":
             offset = blocks[:, 2:4].copy().view(np.float16).reshape(rows, groups)
-            self._release(entry.gguf_name)
+            self._release(entry)
             return {"levels": 16, "group": 32, "scale": d, "offset": offset}
-        self._release(entry.gguf_name)
+        self._release(entry)
         with np.errstate(over="ignore"):
             offset = (d.astype(np.float32) * -128).astype(np.float16)
         return {"levels": 256, "group": 32, "scale": d, "offset": offset}
