@@ -478,26 +478,41 @@ def test_llama3_rope_scaling_refuses_divisors_it_cannot_reproduce():
     assert rotary_frequencies(500000.0, 32).dtype == np.float32
 
 
-def random_mixtral(seed: int = 11) -> torch.nn.Module:
-    from transformers import MixtralConfig, MixtralForCausalLM
+MOE_EXTRA = {
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                  "shared_expert_intermediate_size": 24, "norm_topk_prob": False},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "head_dim": 16,
+                  "norm_topk_prob": True},
+}
+GGUF_MOE_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 
+
+def random_moe(model_type: str = "mixtral", seed: int = 11) -> torch.nn.Module:
+    """A tiny mixture-of-experts model with informative norms and biases (as random_qwen)."""
     torch.manual_seed(seed)
-    config = MixtralConfig(**{**TINY, "num_local_experts": 4, "num_experts_per_tok": 2, "rope_theta": 1e6})
-    model = MixtralForCausalLM(config).eval()
+    config = AutoConfig.for_model(model_type, **{**TINY, "rope_theta": 1e6, **MOE_EXTRA[model_type]})
+    model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith(("norm.weight", ".bias")):
                 param.add_(0.1 * torch.randn_like(param))
     return model
 
 
-def write_mixtral_gguf(path: Path, model, stacked: bool = True, quant: gguf.GGMLQuantizationType | None = None
-                       ) -> None:
-    """A Mixtral as llama.cpp writes it: a "llama" file with expert_count, Q/K permuted, the router as ffn_gate_inp
-    and the experts stacked ([experts, rows, columns], ffn_gate_exps / ffn_up_exps / ffn_down_exps) or, as older
-    converters did, one tensor an expert (ffn_gate.<e>); `quant` stores the experts in that type."""
+_MOE_TO_GGUF = {"mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+                "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+                "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+
+
+def write_moe_gguf(path: Path, model, stacked: bool = True, quant: gguf.GGMLQuantizationType | None = None) -> None:
+    """A mixture-of-experts model as llama.cpp writes it (Mixtral as a "llama" file with expert_count, Q/K permuted;
+    qwen2moe with its shared expert, its gate 1-D; qwen3moe with q/k norms): the router as ffn_gate_inp and the
+    experts stacked ([experts, rows, columns], ffn_gate_exps / ffn_up_exps / ffn_down_exps) or, as older converters
+    did, one tensor an expert (ffn_gate.<e>); `quant` stores the experts in that type."""
     cfg = model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
+    arch = GGUF_MOE_ARCH[cfg.model_type]
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -506,9 +521,17 @@ def write_mixtral_gguf(path: Path, model, stacked: bool = True, quant: gguf.GGML
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
-    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    writer.add_expert_count(cfg.num_local_experts)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_rope_dimension_count(head_dim)
+    if arch == "qwen3moe":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_expert_count(getattr(cfg, "num_local_experts", None) or cfg.num_experts)
     writer.add_expert_used_count(cfg.num_experts_per_tok)
+    if arch != "llama":
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     writer.add_vocab_size(cfg.vocab_size)
 
     def add(name: str, array: np.ndarray, quantized: bool = False) -> None:
@@ -533,13 +556,14 @@ def write_mixtral_gguf(path: Path, model, stacked: bool = True, quant: gguf.GGML
             continue
         if stem.startswith("model.layers."):
             _, _, layer, part = stem.split(".", 3)
-            gguf_part = "ffn_gate_inp" if part == "mlp.gate" else _HF_TO_GGUF[part]
-            gguf_name = f"blk.{layer}.{gguf_part}.{suffix}"
+            gguf_name = f"blk.{layer}.{_MOE_TO_GGUF.get(part) or _HF_TO_GGUF[part]}.{suffix}"
+            if part == "mlp.shared_expert_gate":
+                array = array.reshape(-1)  # llama.cpp's is 1-D, [n_embd]
         else:
             gguf_name = f"{_HF_TO_GGUF[stem]}.{suffix}"
-        if "q_proj" in name:
+        if arch == "llama" and "q_proj" in name:
             array = llama_cpp_permute(array, cfg.num_attention_heads)
-        elif "k_proj" in name:
+        elif arch == "llama" and "k_proj" in name:
             array = llama_cpp_permute(array, cfg.num_key_value_heads)
         add(gguf_name, array)
     writer.write_header_to_file()
@@ -548,14 +572,34 @@ def write_mixtral_gguf(path: Path, model, stacked: bool = True, quant: gguf.GGML
     writer.close()
 
 
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("stacked", [True, False])
+def test_qwen_moe_gguf_builds_the_model_it_was_written_from(tmp_path, model_type, stacked):
+    """qwen2moe (a shared expert with its gate, q/k/v biases) and qwen3moe (q/k norms, top-k renormalized) files
+    were refused: their experts are listed under the published names (mlp.experts.<e>.gate_proj), and the model
+    built from them gives the written model's logits bit for bit."""
+    model = random_moe(model_type)
+    path = tmp_path / f"{model_type}.gguf"
+    write_moe_gguf(path, model, stacked=stacked)
+    src = open_model(path)
+    assert src.config["model_type"] == model_type and src.config["num_experts"] == 4
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in src.tensor_names()
+    if model_type == "qwen2_moe":
+        assert src.tensor_shape("model.layers.0.mlp.shared_expert_gate.weight") == (1, TINY["hidden_size"])
+    built = build_transformers_model(src.config, dict(src.iter_tensors()))
+    ids = tokens()
+    with torch.no_grad():
+        assert torch.equal(built(ids).logits, model(ids).logits)
+
+
 @pytest.mark.parametrize("stacked", [True, False])
 def test_mixtral_gguf_builds_the_model_it_was_written_from(tmp_path, stacked):
     """llama.cpp's Mixtral files (stacked experts, or one tensor an expert) were refused. Their experts are listed
     under Mixtral's published per-expert names, one slice each, and the model built from them gives the written
     model's logits bit for bit."""
-    model = random_mixtral()
+    model = random_moe()
     path = tmp_path / "mixtral.gguf"
-    write_mixtral_gguf(path, model, stacked=stacked)
+    write_moe_gguf(path, model, stacked=stacked)
     src = open_model(path)
     assert src.config["model_type"] == "mixtral" and src.config["num_local_experts"] == 4
     assert src.config["num_experts_per_tok"] == 2
@@ -574,9 +618,9 @@ def test_mixtral_gguf_builds_the_model_it_was_written_from(tmp_path, stacked):
 def test_mixtral_gguf_quantized_experts_are_sliced_per_expert(tmp_path):
     """Q8_0 stacked experts: each expert's tensor is gguf's dequantization of the whole stack, its slice, and is
     kept on its own grid bit for bit (native_grid reads the expert's blocks)."""
-    model = random_mixtral()
+    model = random_moe()
     path = tmp_path / "mixtral-q8.gguf"
-    write_mixtral_gguf(path, model, quant=gguf.GGMLQuantizationType.Q8_0)
+    write_moe_gguf(path, model, quant=gguf.GGMLQuantizationType.Q8_0)
     src = open_model(path)
     reader = gguf.GGUFReader(str(path))
     stacks = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in reader.tensors if "_exps" in t.name}
@@ -588,9 +632,9 @@ def test_mixtral_gguf_quantized_experts_are_sliced_per_expert(tmp_path):
 
 
 def test_mixtral_gguf_refusals(tmp_path):
-    model = random_mixtral()
+    model = random_moe()
     path = tmp_path / "mixtral.gguf"
-    write_mixtral_gguf(path, model)
+    write_moe_gguf(path, model)
     data = bytearray(path.read_bytes())
     key = b"llama.expert_used_count"
     at = data.index(key) + len(key) + 4  # the value after its uint32 type tag
@@ -598,6 +642,13 @@ def test_mixtral_gguf_refusals(tmp_path):
     (tmp_path / "bad.gguf").write_bytes(bytes(data))
     with pytest.raises(FormatError, match="expert_used_count 9 with 4 experts"):
         open_model(tmp_path / "bad.gguf")
+    data = bytearray(path.read_bytes())  # the same file as qwen2: not a mixture-of-experts architecture
+    data[data.index(b"llama"):data.index(b"llama") + 5] = b"qwen2"
+    for at in [i for i in range(len(data)) if data[i:i + 6] == b"llama."]:
+        data[at:at + 6] = b"qwen2."
+    (tmp_path / "qwen2.gguf").write_bytes(bytes(data))
+    with pytest.raises(AccelError, match="a qwen2 GGUF file with experts is not supported"):
+        open_model(tmp_path / "qwen2.gguf")
 
 
 def test_refuses_unsupported_gguf_architecture(tmp_path):

@@ -1,9 +1,10 @@
 """GGUF files (llama.cpp): memory-mapped, dequantized to float32 one tensor at a time, under HF names.
 
-The llama (Llama, Mistral: llama.cpp converts both as "llama"; Mixtral, a llama file with experts), qwen2 and
-qwen3 architectures are mapped. A Mixtral file's stacked experts (`ffn_gate_exps`, [experts, rows, columns]) are
-listed under the published per-expert checkpoint names (`block_sparse_moe.experts.<e>.w1`, w3, w2), each one
-slice of its GGUF tensor, so the model is built from them as from a published Hugging Face checkpoint. For
+The llama (Llama, Mistral: llama.cpp converts both as "llama"; Mixtral, a llama file with experts), qwen2, qwen3,
+qwen2moe and qwen3moe architectures are mapped. Stacked experts (`ffn_gate_exps`, [experts, rows, columns]) are
+listed under the published per-expert checkpoint names (`block_sparse_moe.experts.<e>.w1`, `mlp.experts.<e>.
+gate_proj`, ...), each one slice of its GGUF tensor, so the model is built from them as from a published Hugging
+Face checkpoint (MOE_ARCHITECTURES). For
 llama, llama.cpp's converter permutes the rows of the Q and K projections (it interleaves the two rotary halves of
 every head); `unpermute_qk` undoes it, as transformers' GGUF loader does. Qwen2/Qwen3 are written unpermuted (their
 rotary embedding is the same rotate-half as transformers').
@@ -14,6 +15,7 @@ from __future__ import annotations
 import mmap
 import re
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any
 
@@ -38,16 +40,39 @@ _LLAMA_BLOCK = {
     "ffn_down": "mlp.down_proj",
 }
 _QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-# Mixtral (a llama file with experts): the router, and each projection of the experts as Mixtral's published
-# checkpoints name them (w1 gate, w3 up, w2 down), stacked (`ffn_gate_exps`) or one tensor an expert (older files)
-_MOE_ROUTER = ("ffn_gate_inp", "block_sparse_moe.gate")
-_MOE_EXPERTS = {"ffn_gate": "w1", "ffn_up": "w3", "ffn_down": "w2"}
+
+
+@dataclass(frozen=True)
+class _MoE:
+    """A mixture-of-experts GGUF architecture as its published Hugging Face checkpoints name it: the router's module,
+    the experts' module and each projection's name under `<experts>.<e>.`, and any other block tensors (a shared
+    expert). Experts come stacked (`ffn_gate_exps`) or, from older converters, one tensor an expert."""
+
+    model_type: str
+    hf_class: str
+    router: str
+    experts: str
+    projections: dict[str, str]
+    extra: dict[str, str] = dataclass_field(default_factory=dict)
+
+
+_QWEN_EXPERTS = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
+MOE_ARCHITECTURES = {
+    "llama": _MoE("mixtral", "MixtralForCausalLM", "block_sparse_moe.gate", "block_sparse_moe.experts",
+                  {"ffn_gate": "w1", "ffn_up": "w3", "ffn_down": "w2"}),  # Mixtral: a llama file with experts
+    "qwen2moe": _MoE("qwen2_moe", "Qwen2MoeForCausalLM", "mlp.gate", "mlp.experts", _QWEN_EXPERTS,
+                     {"ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                      "ffn_down_shexp": "mlp.shared_expert.down_proj",
+                      "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}),
+    "qwen3moe": _MoE("qwen3_moe", "Qwen3MoeForCausalLM", "mlp.gate", "mlp.experts", _QWEN_EXPERTS),
+}
 _STACKED_RE = re.compile(r"blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)_exps\.weight")
 _PER_EXPERT_RE = re.compile(r"blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)\.(\d+)\.weight")
 _LLAMA_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # GGUF architecture -> (model_type, the transformers class), as config.json names them.
 HF_ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-                    "qwen3": ("qwen3", "Qwen3ForCausalLM")}
+                    "qwen3": ("qwen3", "Qwen3ForCausalLM"), "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+                    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM")}
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's Llama 3 rope scaling, one divisor per rotary frequency
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 _TOP_RE = re.compile(r"([a-z_]+)\.(weight|bias)")
@@ -156,8 +181,11 @@ class GGUFSource(ModelSource):
         if scaling not in (None, "none"):
             raise AccelError(f"{self.path}: {arch} GGUF with rope scaling {scaling!r} is not supported yet")
         experts = int(self._meta("expert_count", 0) or 0)
-        if experts and arch != "llama":
-            raise AccelError(f"{self.path}: mixture-of-experts {arch} GGUF files are not supported yet")
+        if arch.endswith("moe") and not experts:
+            raise FormatError(f"{self.path}: a {arch} GGUF file without {arch}.expert_count")
+        if experts and arch not in MOE_ARCHITECTURES:
+            raise AccelError(f"{self.path}: a {arch} GGUF file with experts is not supported (mixture-of-experts "
+                             f"architectures: {', '.join(MOE_ARCHITECTURES)})")
 
         embed = self._tensors.get("token_embd.weight")
         if embed is None:
@@ -168,7 +196,8 @@ class GGUFSource(ModelSource):
             raise FormatError(f"{self.path}: vocab_size {meta_vocab} but token_embd.weight has {vocab} rows")
 
         names = self._tensors
-        model_type, hf_class = ("mixtral", "MixtralForCausalLM") if experts else HF_ARCHITECTURES[arch]
+        moe = MOE_ARCHITECTURES[arch] if experts else None
+        model_type, hf_class = (moe.model_type, moe.hf_class) if moe else HF_ARCHITECTURES[arch]
         config: dict[str, Any] = {
             "architectures": [hf_class],
             "model_type": model_type,
@@ -193,10 +222,22 @@ class GGUFSource(ModelSource):
             used = int(self._meta("expert_used_count", required=True))
             if not 0 < used <= experts:
                 raise FormatError(f"{self.path}: expert_used_count {used} with {experts} experts")
+            config["num_experts_per_tok"] = used
+        if arch == "llama" and experts:
             if block_biases:
                 raise AccelError(f"{self.path}: a Mixtral GGUF file with biases ({min(block_biases)}) is not "
                                  f"supported")
-            config.update(num_local_experts=experts, num_experts_per_tok=used, sliding_window=None)
+            config.update(num_local_experts=experts, sliding_window=None)
+        elif arch in ("qwen2moe", "qwen3moe"):  # every layer sparse, as llama.cpp runs them
+            config.update(num_experts=experts, decoder_sparse_step=1, mlp_only_layers=[],
+                          moe_intermediate_size=int(self._meta("expert_feed_forward_length", required=True)),
+                          norm_topk_prob=arch == "qwen3moe")  # llama.cpp renormalizes Qwen3-MoE's top k only
+            if arch == "qwen2moe":
+                config["shared_expert_intermediate_size"] = int(
+                    self._meta("expert_shared_feed_forward_length", required=True))
+                config["use_sliding_window"] = False
+            else:
+                config["attention_bias"] = bool(block_biases & {"attn_q", "attn_k", "attn_v", "attn_output"})
         elif arch in ("llama", "qwen3"):  # qwen2's q/k/v biases are part of its class, not of its config
             config["attention_bias"] = bool(block_biases & {"attn_q", "attn_k", "attn_v", "attn_output"})
         if arch == "llama" and not experts:
@@ -231,12 +272,21 @@ class GGUFSource(ModelSource):
             raise FormatError(f"{self.path}: tensor {gguf_name} is beyond block_count")
         return int(layer)
 
+    @property
+    def _moe(self) -> _MoE | None:
+        return MOE_ARCHITECTURES[self.architecture] if "num_experts_per_tok" in self.config else None
+
+    @property
+    def _expert_count(self) -> int:
+        return self.config.get("num_local_experts", self.config.get("num_experts"))
+
     def _hf_name(self, gguf_name: str) -> str:
-        block = {**_LLAMA_BLOCK, **_QK_NORMS} if self.architecture == "qwen3" else _LLAMA_BLOCK
-        experts = "num_local_experts" in self.config
-        if experts:  # Mixtral has no dense MLP: its ffn_gate/ffn_up/ffn_down are experts
-            block = {k: v for k, v in block.items() if k not in _MOE_EXPERTS}
-            block[_MOE_ROUTER[0]] = _MOE_ROUTER[1]
+        qk_norms = self.architecture in ("qwen3", "qwen3moe")
+        block = {**_LLAMA_BLOCK, **_QK_NORMS} if qk_norms else _LLAMA_BLOCK
+        moe = self._moe
+        if moe is not None:  # no dense MLP: ffn_gate/ffn_up/ffn_down are experts
+            block = {k: v for k, v in block.items() if k not in moe.projections}
+            block.update({"ffn_gate_inp": moe.router, **moe.extra})
             match = _PER_EXPERT_RE.fullmatch(gguf_name)
             if match:
                 layer, part, expert = match.groups()
@@ -252,19 +302,18 @@ class GGUFSource(ModelSource):
                          f"counterpart")
 
     def _expert_name(self, gguf_name: str, layer: str, part: str, expert: int) -> str:
-        if expert >= self.config["num_local_experts"]:
-            raise FormatError(f"{self.path}: tensor {gguf_name} is expert {expert} of "
-                              f"{self.config['num_local_experts']}")
-        return (f"model.layers.{self._layer(gguf_name, layer)}.block_sparse_moe.experts.{expert}."
-                f"{_MOE_EXPERTS[part]}.weight")
+        if expert >= self._expert_count:
+            raise FormatError(f"{self.path}: tensor {gguf_name} is expert {expert} of {self._expert_count}")
+        moe = self._moe
+        return f"model.layers.{self._layer(gguf_name, layer)}.{moe.experts}.{expert}.{moe.projections[part]}.weight"
 
     def _stacked_entries(self, gguf_name: str, t: Any) -> dict[str, _Entry]:
         """One entry an expert for a stacked experts tensor ([experts, rows, columns] in PyTorch's order)."""
         layer, part = _STACKED_RE.fullmatch(gguf_name).groups()
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        if len(shape) != 3 or shape[0] != self.config["num_local_experts"]:
+        if len(shape) != 3 or shape[0] != self._expert_count:
             raise FormatError(f"{self.path}: tensor {gguf_name} is {list(shape)}, not "
-                              f"[{self.config['num_local_experts']} experts, rows, columns]")
+                              f"[{self._expert_count} experts, rows, columns]")
         dtype = _FLOAT_TYPES.get(t.tensor_type.name, "float32")
         return {self._expert_name(gguf_name, layer, part, e): _Entry(gguf_name, shape[1:], dtype, None, e)
                 for e in range(shape[0])}
@@ -275,11 +324,13 @@ class GGUFSource(ModelSource):
         for gguf_name, t in self._tensors.items():
             if gguf_name == ROPE_FREQS:  # part of the config (rope_scaling), not a model tensor
                 continue
-            if "num_local_experts" in cfg and _STACKED_RE.fullmatch(gguf_name):
+            if self._moe is not None and _STACKED_RE.fullmatch(gguf_name):
                 entries.update(self._stacked_entries(gguf_name, t))
                 continue
             hf_name = self._hf_name(gguf_name)
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            if gguf_name.endswith(".ffn_gate_inp_shexp.weight") and len(shape) == 1:
+                shape = (1, shape[0])  # llama.cpp keeps Qwen2-MoE's shared-expert gate as a vector
             qk_heads = None
             if ".attn_q." in gguf_name:
                 qk_heads = cfg["num_attention_heads"]
