@@ -197,7 +197,11 @@ def test_quantize_and_eval_damp_map(capsys, gdn_calib, tmp_path, text_file):
     out = tmp_path / "d"
     rep = run_json(capsys, "quantize", "tiny-gdn", "--state", "damp", "--calib", gdn_calib, "--out", out)
     assert rep["maps"] == {"state": "damp"}
-    doc = json.loads((out / "accel.json").read_text())["maps"]["state"]
+    manifest = json.loads((out / "accel.json").read_text())
+    stored = set(Artifact(out).names)
+    assert set(manifest["tensors"]) == stored and rep["tensors"] == len(stored)  # the map's tensors included
+    assert {"maps.state.high", "maps.state.score"} <= stored
+    doc = manifest["maps"]["state"]
     assert doc["params"]["high"] == "fp16" and doc["params"]["low"] == "int8"
     assert doc["params"]["bits_per_value"] <= 9.9
     ev = run_json(capsys, "eval", out, "--data", text_file, "--windows", "1", "--seq-len", "48",
@@ -243,7 +247,11 @@ def test_water_map_round_trip_and_refusals(capsys, gdn_calib, tmp_path, text_fil
     rep = run_json(capsys, "quantize", "tiny-gdn", "--state", "damp:6.5,alloc=water", "--calib", gdn_calib,
                    "--out", out)
     assert rep["maps"] == {"state": "damp"}
-    doc = json.loads((out / "accel.json").read_text())["maps"]["state"]
+    manifest = json.loads((out / "accel.json").read_text())
+    stored = set(Artifact(out).names)
+    assert set(manifest["tensors"]) == stored and rep["tensors"] == len(stored)  # the map's tensors included
+    assert {"maps.state.bits", "maps.state.score"} <= stored
+    doc = manifest["maps"]["state"]
     assert doc["params"]["alloc"] == "water" and doc["params"]["rank"] == "sensitivity"
     assert doc["params"]["bits_per_value"] == 6.5
     arrays, _ = read_state_stats(gdn_calib)

@@ -61,3 +61,23 @@ def test_a_tasks_own_error_comes_back_as_itself():
         future = cluster.submit(encode_one, "rtn3", "w", np.zeros((4, 5), np.float32), WeightSettings(group=0))
         error = future.exception(timeout=120)
     assert type(error) is AccelError and str(error) == "tensor 'w': affine group must be positive, got 0"
+
+
+def test_ray_keeps_the_callers_signal_handlers():
+    """ray.init replaces SIGINT and SIGTERM handlers (its SIGTERM one exits with status 15, skipping accel's cleanup
+    and its one-line message); inside and after ray_workers the caller's handlers are the ones set."""
+    import signal
+
+    from accel.quantize.parallel import ray_workers
+
+    def ours(signum, frame):  # pragma: no cover - never called
+        raise AssertionError(signum)
+
+    before = {sig: signal.signal(sig, ours) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with ray_workers("local", 1):
+            assert signal.getsignal(signal.SIGINT) is ours and signal.getsignal(signal.SIGTERM) is ours
+        assert signal.getsignal(signal.SIGINT) is ours and signal.getsignal(signal.SIGTERM) is ours
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)

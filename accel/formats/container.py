@@ -57,14 +57,15 @@ def stored_infos(entries: list[TensorEntry], arrays: dict[str, np.ndarray]) -> d
             raise ValueError(f"{entry.name}: parts {sorted(entry.parts)} differ from expected {sorted(expected)}")
         for part, stored in entry.parts.items():
             shape, dtype = expected[part]
-            array = np.ascontiguousarray(arrays[stored])
+            array = arrays[stored]
             if tuple(array.shape) != tuple(shape):
                 raise ValueError(f"{stored}: shape {array.shape} differs from the codec's {shape}")
             stored_dtype = storage_dtype_of(array, dtype)
             if stored_dtype != dtype:
                 raise ValueError(f"{stored}: dtype {stored_dtype} differs from the codec's {dtype}")
-            infos[stored] = StoredInfo(stored_dtype, tuple(array.shape), array.dtype.itemsize, array.nbytes,
-                                       sha256_hex(array.reshape(-1).view(np.uint8)))
+            data = np.ascontiguousarray(array)  # (the header takes its shape: a 0-d array is stored as [1])
+            infos[stored] = StoredInfo(stored_dtype, tuple(data.shape), data.dtype.itemsize, data.nbytes,
+                                       sha256_hex(data.reshape(-1).view(np.uint8)))
     return infos
 
 

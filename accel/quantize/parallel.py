@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import signal
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from dataclasses import dataclass
@@ -103,6 +105,31 @@ def workers(jobs: int, ray_address: str | None = None) -> Iterator[Workers | Non
         yield None if pool is None else Workers(pool.submit, jobs)
 
 
+@contextlib.contextmanager
+def _own_signal_handlers() -> Iterator[None]:
+    """Keep this process's SIGINT and SIGTERM handlers through `ray.init`, which replaces them: its SIGTERM handler
+    exits with status 15 and its native one aborts, where accel's turns SIGTERM into an exception that cancels the
+    tasks, shuts Ray down and exits 143 with one line. Ray's Python-level calls are ignored while the block runs,
+    and the handlers are set again after it, over what Ray's native code installed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    ours = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    original = signal.signal
+
+    def keep(sig: int, handler: Any) -> Any:
+        return signal.getsignal(sig) if sig in ours else original(sig, handler)
+
+    signal.signal = keep
+    try:
+        yield
+    finally:
+        signal.signal = original
+        for sig, handler in ours.items():
+            if handler is not None:
+                original(sig, handler)
+
+
 def _accel_version() -> str:
     from accel import __version__
 
@@ -121,16 +148,17 @@ def ray_workers(address: str, jobs: int) -> Iterator[Workers]:
     except ImportError:
         raise AccelError("--ray needs Ray installed (pip install 'ray[default]')") from None
     env = {"env_vars": {k: "1" for k in _THREAD_VARS}}
-    try:
-        if address == "local":
-            ray.init(num_cpus=jobs, include_dashboard=False, log_to_driver=False, configure_logging=False,
-                     runtime_env=env)
-        else:
-            ray.init(address=address, log_to_driver=False, configure_logging=False, runtime_env=env)
-    except Exception as exc:  # noqa: BLE001 - ConnectionError, ValueError (a malformed address), RuntimeError
-        raise AccelError(f"--ray {address}: cannot start or reach a Ray cluster: {one_line(exc)}") from None
     pending: list[Any] = []
     try:
+        with _own_signal_handlers():
+            try:
+                if address == "local":
+                    ray.init(num_cpus=jobs, include_dashboard=False, log_to_driver=False, configure_logging=False,
+                             runtime_env=env)
+                else:
+                    ray.init(address=address, log_to_driver=False, configure_logging=False, runtime_env=env)
+            except Exception as exc:  # noqa: BLE001 - ConnectionError, ValueError (a malformed address), ...
+                raise AccelError(f"--ray {address}: cannot start or reach a Ray cluster: {one_line(exc)}") from None
         theirs = ray.get(ray.remote(num_cpus=1)(_accel_version).remote())
         if theirs != _accel_version():
             raise AccelError(f"--ray {address}: the cluster's workers run accel {theirs}, this is accel "
@@ -162,4 +190,4 @@ def ray_workers(address: str, jobs: int) -> Iterator[Workers]:
                 ray.cancel(ref, force=True)
         raise
     finally:
-        ray.shutdown()
+        ray.shutdown()  # also after an interrupted or failed start

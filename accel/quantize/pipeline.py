@@ -292,14 +292,17 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
             summary: dict[str, dict[str, Any]] = {}
             held: list[Encoded] = []  # --tune-steps refits the leech tensors' scales after all are quantized
 
-            def store(item: Encoded) -> None:
+            def write(item: Encoded) -> None:
                 entry, arrays = item
                 summary[entry.name] = {"codec": entry.codec, "layout": entry.layout, "role": entry.role,
                                        "bytes": int(sum(a.nbytes for a in arrays.values()))}
+                writer.add(item)
+
+            def store(item: Encoded) -> None:
                 if settings.tune_steps:
                     held.append(item)
                 else:
-                    writer.add(item)
+                    write(item)
                 progress.advance()
 
             with workers(jobs if parallel else 1, ray) as pool:
@@ -331,13 +334,13 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
                                           hessians.windows(), settings.tune_steps, seed=settings.seed,
                                           progress=progress, model_name=model_names.model_name)
                 for item in held:
-                    writer.add(item)
+                    write(item)
                 del held[:]
             maps_doc = {}
             for kind, stored in maps.items():
                 maps_doc[kind], map_tensors = encode_map(stored)
                 for item in map_tensors:
-                    writer.add(item)
+                    write(item)  # accel.json lists the map's tensors too
             writer.finish(extra={"maps": maps_doc} if maps_doc else None)
             source.save_support_files(tmp)
             config = dict(source.config)
