@@ -1,6 +1,6 @@
 """Calibration's Hessians a decoder layer at a time: the same numbers as whole forward passes, bit for bit, with
-only one layer's Hessians in memory; a decoder that does more between its layers than call them is detected and
-recorded whole."""
+only one layer's Hessians in memory, and with the weights read from the source a layer at a time (StreamedModel);
+a decoder that does more between its layers than call them is detected and recorded whole."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ def _model(arch: str) -> torch.nn.Module:
 
     extra = {
         "llama": {},
+        "llama-tied": {"tie_word_embeddings": True},
         "mistral": {"sliding_window": 5},  # the masks differ by layer type
         "qwen3": {"head_dim": 8, "layer_types": ["full_attention", "sliding_attention", "full_attention"],
                   "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
@@ -30,7 +31,7 @@ def _model(arch: str) -> torch.nn.Module:
                        "full_attention_interval": 3},  # Gated DeltaNet layers and their own mask
     }[arch]
     torch.manual_seed(0)
-    config = AutoConfig.for_model(arch, **{**TINY, **extra})
+    config = AutoConfig.for_model(arch.removesuffix("-tied"), **{**TINY, **extra})
     return AutoModelForCausalLM.from_config(config).eval()
 
 
@@ -129,3 +130,61 @@ def test_a_decoder_with_work_between_its_layers_is_recorded_whole(doubles_betwee
         key = f"model.layers.{i}.proj.weight"
         np.testing.assert_allclose(whole[key], x.T @ x / windows.size, rtol=1e-5, atol=1e-7)  # float32 products
         assert np.array_equal(streamed[key], whole[key])
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama-tied", "mistral", "qwen3", "mixtral", "qwen3_next"])
+def test_streamed_weights_give_the_resident_models_hessians(arch, tmp_path, monkeypatch):
+    """The model saved as a checkpoint (Mixtral's and Qwen3-Next's experts under their per-expert checkpoint names)
+    and calibrated from it with its weights read a layer at a time: the Hessians of the model in memory, bit for
+    bit, and never two decoder layers' weights loaded at once."""
+    from accel.converters import open_model
+    from accel.converters.streamed import StreamedModel
+
+    model = _model(arch)
+    model.save_pretrained(tmp_path / "m")
+    windows = np.random.default_rng(5).integers(0, 96, (3, 24))
+    resident, resident_keys = H.collect_hessians(model, windows)
+    layers_at_once = []
+    with open_model(tmp_path / "m") as source:
+        streamed = StreamedModel(source)
+        load = streamed.load
+
+        def load_and_count(within):
+            load(within)
+            loaded = {name.split(".")[2] for name, p in streamed.model.named_parameters()
+                      if name.startswith("model.layers.") and p.device.type != "meta"}
+            layers_at_once.append(len(loaded))
+
+        monkeypatch.setattr(streamed, "load", load_and_count)
+        hessians, keys = H.collect_hessians(streamed.model, windows, streamed=streamed)
+        assert streamed.loaded_bytes() < sum(p.nbytes for p in model.parameters()) / 2  # the layers released
+    assert keys == resident_keys and set(hessians) == set(resident) and resident
+    assert all(np.array_equal(hessians[k], resident[k]) for k in resident)
+    assert max(layers_at_once) == 1
+
+
+def test_streamed_calibration_writes_the_same_files(tiny_llama, text_file, tmp_path, monkeypatch):
+    """`accel calibrate --for weights` reads the weights a layer at a time; its weights/ files are the bytes of the
+    same calibration with the model built whole."""
+    import contextlib
+
+    from accel.calibrate.run import CalibSettings, calibrate
+    from accel.eval import load
+
+    settings = CalibSettings(samples=3, seq_len=32)
+    calibrate(str(tiny_llama), text_file, tmp_path / "streamed", ["weights"], settings)
+    used = []
+
+    @contextlib.contextmanager
+    def whole(spec, progress, message):
+        used.append(spec)
+        yield load.load_causal_lm(spec, progress)
+
+    monkeypatch.setattr(load, "streamed_causal_lm", whole)
+    calibrate(str(tiny_llama), text_file, tmp_path / "whole", ["weights"], settings)
+    assert used  # the second calibration built the model whole
+    files = sorted(p.name for p in (tmp_path / "whole" / "weights").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "streamed" / "weights").iterdir())
+    for name in files:
+        assert (tmp_path / "whole" / "weights" / name).read_bytes() == \
+            (tmp_path / "streamed" / "weights" / name).read_bytes()

@@ -279,10 +279,8 @@ def llama_cpp_rope_factors(config) -> np.ndarray:
     return torch.tensor(factors, dtype=torch.float32).numpy()
 
 
-def write_gguf(path: Path, model: LlamaForCausalLM, arch: str = "llama", f16: tuple[str, ...] = (),
-               quant: dict[str, gguf.GGMLQuantizationType] | None = None,
-               rope_factors: np.ndarray | None = None) -> None:
-    cfg = model.config
+def gguf_writer(path: Path, cfg, arch: str) -> gguf.GGUFWriter:
+    """A GGUFWriter with the shape and rope metadata llama.cpp's converters write for `cfg`."""
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -294,9 +292,17 @@ def write_gguf(path: Path, model: LlamaForCausalLM, arch: str = "llama", f16: tu
     writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer.add_rope_dimension_count(head_dim)
-    if arch == "qwen3":  # llama.cpp's Qwen3 converter records the head width
+    if arch in ("qwen3", "qwen3moe"):  # llama.cpp's Qwen3 converters record the head width
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    return writer
+
+
+def write_gguf(path: Path, model: LlamaForCausalLM, arch: str = "llama", f16: tuple[str, ...] = (),
+               quant: dict[str, gguf.GGMLQuantizationType] | None = None,
+               rope_factors: np.ndarray | None = None) -> None:
+    cfg = model.config
+    writer = gguf_writer(path, cfg, arch)
     writer.add_vocab_size(cfg.vocab_size)
     if rope_factors is not None:
         writer.add_tensor("rope_freqs.weight", rope_factors.astype(np.float32))
@@ -512,20 +518,7 @@ def write_moe_gguf(path: Path, model, stacked: bool = True, quant: gguf.GGMLQuan
     did, one tensor an expert (ffn_gate.<e>); `quant` stores the experts in that type."""
     cfg = model.config
     arch = GGUF_MOE_ARCH[cfg.model_type]
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    writer.add_rope_dimension_count(head_dim)
-    if arch == "qwen3moe":
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
+    writer = gguf_writer(path, cfg, arch)
     writer.add_expert_count(getattr(cfg, "num_local_experts", None) or cfg.num_experts)
     writer.add_expert_used_count(cfg.num_experts_per_tok)
     if arch != "llama":

@@ -82,9 +82,19 @@ class _Recorder:
             sink(sums)
 
 
+class _Resident:
+    """The weights of a model built whole: nothing to load or release (the interface of StreamedModel)."""
+
+    def load(self, within: Callable[[str], bool]) -> None:
+        pass
+
+    def release(self, within: Callable[[str], bool]) -> None:
+        pass
+
+
 @torch.inference_mode()
 def collect_hessians(model: torch.nn.Module, windows: np.ndarray, progress: Progress = SILENT,
-                     sink: Sink | None = None, layer_by_layer: bool = True
+                     sink: Sink | None = None, layer_by_layer: bool = True, streamed: Any = None
                      ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Mean x xᵀ over all tokens for each quantizable linear layer.
 
@@ -93,7 +103,12 @@ def collect_hessians(model: torch.nn.Module, windows: np.ndarray, progress: Prog
     other over all windows (`_layer_by_layer`), so that only one layer's Hessians are in memory, where that
     reproduces the model's own forward pass bit for bit on the first window; else (or with layer_by_layer False)
     every window goes through the whole model, all Hessians in memory (the same numbers).
+
+    streamed: an accel.converters.streamed.StreamedModel whose `model` is `model`: its weights are read a decoder
+    layer at a time and released after (the parts outside the layers stay loaded); where the layers cannot run one
+    by one, the whole model is loaded first.
     """
+    weights = streamed if streamed is not None else _Resident()
     linears = {f"{name}.weight": mod for name, mod in model.named_modules()
                if isinstance(mod, torch.nn.Linear) and is_quantizable(f"{name}.weight", tuple(mod.weight.shape))}
     recorder = _Recorder(linears)
@@ -101,13 +116,23 @@ def collect_hessians(model: torch.nn.Module, windows: np.ndarray, progress: Prog
     sink = sink if sink is not None else kept.update
     _use_eager_experts(model)
     body = getattr(model, model.base_model_prefix, model)  # the decoder alone: the LM head adds nothing here
-    stack = _decoder_stack(model, body)
-    if not layer_by_layer or stack is None or not _layer_by_layer_matches(body, stack[1], windows[0]):
+    stack = _decoder_stack(model, body) if layer_by_layer else None
+    if stack is not None:
+        body_prefix = next(f"{n}." if n else "" for n, m in model.named_modules() if m is body)
+        weights.load(lambda name: name.startswith(body_prefix) and not name.startswith(stack[0] + "."))
+        if not _layer_by_layer_matches(body, stack, windows[0], weights):
+            stack = None
+    if stack is None:
+        weights.load(lambda name: True)
         _whole_model(body, model, windows, recorder, progress)
         recorder.flush(sink, windows.size)
     else:
-        _layer_by_layer(body, model, stack, windows, recorder, progress, sink)
+        _layer_by_layer(body, model, stack, windows, recorder, progress, sink, weights)
     return kept, dict(sorted(recorder.key_of.items()))
+
+
+def _layer_weights(prefix: str, i: int) -> Callable[[str], bool]:
+    return lambda name: name.startswith(f"{prefix}.{i}.")
 
 
 def _run(body: torch.nn.Module, window: np.ndarray) -> None:
@@ -175,31 +200,55 @@ class _NotLayerByLayer(Exception):
     pass
 
 
-def _layer_by_layer_matches(body, stack: torch.nn.ModuleList, window: np.ndarray) -> bool:
+def _layer_by_layer_matches(body, stack_named: tuple[str, torch.nn.ModuleList], window: np.ndarray,
+                            weights: Any) -> bool:
     """Whether running the layers one by one on what the decoder passes them reproduces, bit for bit, the last
-    layer's output of a whole forward pass (a model whose decoder does more between its layers would not)."""
-    seen: list[torch.Tensor] = []
-    handle = stack[-1].register_forward_hook(
-        lambda _m, _a, out: seen.append(out[0] if isinstance(out, tuple) else out))
+    layer's output of a whole forward pass (a model whose decoder does more between its layers would not). Both
+    run in one pass over the layers: while the whole forward pass is in layer i (its weights loaded), layer i also
+    takes the one-by-one chain's hidden state."""
+    prefix, stack = stack_named
+    try:
+        captured = _Captured(body, stack, window)
+    except (_NotLayerByLayer, TypeError, IndexError, ValueError, RuntimeError):
+        return False
+    chained = [captured.hidden]
+    whole: list[torch.Tensor] = []
+
+    def both(i: int, original: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(*args, **kwargs):
+            weights.load(_layer_weights(prefix, i))
+            try:
+                out = original(*args, **kwargs)
+                if chained[0] is not None:
+                    try:
+                        step = original(chained[0], *captured.calls[i][0], **captured.calls[i][1])
+                        chained[0] = step[0] if isinstance(step, tuple) else step
+                    except (TypeError, IndexError, ValueError, RuntimeError):
+                        chained[0] = None
+                if i == len(stack) - 1:
+                    whole.append(out[0] if isinstance(out, tuple) else out)
+            finally:
+                weights.release(_layer_weights(prefix, i))
+            return out
+        return forward
+
+    for i, layer in enumerate(stack):
+        layer.forward = both(i, layer.forward)
     try:
         _run(body, window)
     finally:
-        handle.remove()
-    try:
-        captured = _Captured(body, stack, window)
-        hidden = captured.hidden
-        for i in range(len(stack)):
-            hidden = captured.run_layer(stack, i, hidden)
-    except (_NotLayerByLayer, TypeError, IndexError, ValueError, RuntimeError):
-        return False
-    return len(seen) == 1 and hidden.shape == seen[0].shape and torch.equal(hidden, seen[0])
+        for layer in stack:
+            del layer.forward
+    hidden = chained[0]
+    return hidden is not None and len(whole) == 1 and hidden.shape == whole[0].shape and torch.equal(hidden, whole[0])
 
 
 def _layer_by_layer(body, model, stack_named: tuple[str, torch.nn.ModuleList], windows: np.ndarray,
-                    recorder: _Recorder, progress: Progress, sink: Sink) -> None:
+                    recorder: _Recorder, progress: Progress, sink: Sink, weights: Any) -> None:
     """The Hessians a layer at a time (GPTQ's sequential order): all windows' hidden states go through layer i,
     its Hessians go to `sink`, then layer i+1. Linear layers outside the stack are recorded while the decoder's
-    arguments are captured. Memory: the hidden states of all windows, and one layer's Hessians."""
+    arguments are captured. Memory: the hidden states of all windows, one layer's Hessians, and (streamed) one
+    layer's weights."""
     prefix, stack = stack_named
     progress.stage("calibrating (Hessians, layer by layer)", len(stack) + 1)
     outside = recorder.hook(model, lambda name: not name.startswith(prefix + "."))
@@ -217,7 +266,8 @@ def _layer_by_layer(body, model, stack_named: tuple[str, torch.nn.ModuleList], w
         c.hidden = None  # held once, in `hidden`
     progress.advance()
     for i in range(len(stack)):
-        handles = recorder.hook(model, lambda name, i=i: name.startswith(f"{prefix}.{i}."))
+        weights.load(_layer_weights(prefix, i))  # before the hooks: the expert hooks know a parameter by its storage
+        handles = recorder.hook(model, _layer_weights(prefix, i))
         try:
             for w, c in enumerate(captured):
                 recorder.last[0] = None
@@ -225,6 +275,7 @@ def _layer_by_layer(body, model, stack_named: tuple[str, torch.nn.ModuleList], w
         finally:
             for h in handles:
                 h.remove()
+            weights.release(_layer_weights(prefix, i))
         recorder.flush(sink, windows.size)
         progress.advance()
     progress.close()
@@ -328,7 +379,8 @@ def record_hessians(ctx: CalibContext) -> dict[str, Any]:
                 writer.add(encode_tensor(k, h.astype(np.float32), "raw", role="data", dtype="float32"))
             count += len(hessians)
 
-        _, key_of = collect_hessians(ctx.loaded.model, ctx.windows, ctx.progress, sink)
+        _, key_of = collect_hessians(ctx.loaded.model, ctx.windows, ctx.progress, sink,
+                                     streamed=ctx.loaded.streamed)
         if ctx.windows.size and int(ctx.windows.max()) < 1 << 24:
             writer.add(encode_tensor(WINDOWS, ctx.windows.astype(np.float32), "raw", role="data", dtype="float32"))
         writer.finish(extra={"hessians": key_of, "tokens": int(ctx.windows.size)})

@@ -7,6 +7,7 @@ the settings and each kind's report.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import time
@@ -99,13 +100,16 @@ def calibration_files_sha256(calib: Path) -> dict[str, str]:
     return files_sha256(calib, lambda rel: rel != CALIB_MANIFEST, "*.json")
 
 
+# Statistics recorded through NaN or Inf weights are NaN too: the model is refused, as quantize refuses it.
+NONFINITE = "tensor '{name}' holds NaN or Inf values; refusing to calibrate with it"
+
+
 def _check_finite_weights(model: Any) -> None:
-    """Statistics recorded through NaN or Inf weights are NaN too: refuse the model, as quantize does."""
     import torch
 
     for name, param in model.named_parameters():
         if not bool(torch.isfinite(param).all()):
-            raise AccelError(f"tensor '{name}' holds NaN or Inf values; refusing to calibrate with it")
+            raise AccelError(NONFINITE.format(name=name))
 
 
 def calibrate(model: str, data: Path, out: Path, kinds: list[str], settings: CalibSettings, force: bool = False,
@@ -113,7 +117,7 @@ def calibrate(model: str, data: Path, out: Path, kinds: list[str], settings: Cal
     """Run the requested kinds on MODEL over DATA into OUT; returns {out, for, windows, tokens, <kind>: report}."""
     from accel.calibrate.state import SEGMENT
     from accel.eval.data import check_window_args
-    from accel.eval.load import load_causal_lm
+    from accel.eval.load import is_accel_output, load_causal_lm, streamed_causal_lm
     from accel.formats.filehash import file_sha256
     from accel.quantize.pipeline import model_files_sha256
 
@@ -133,23 +137,29 @@ def calibrate(model: str, data: Path, out: Path, kinds: list[str], settings: Cal
         raise AccelError(f"--for state reads the recurrent state from token {SEGMENT + 1} on: --seq-len must be at "
                          f"least {SEGMENT + 2}, got {settings.seq_len}")
     text = read_text(data)
-    loaded = load_causal_lm(model, progress)
-    check_context(settings.seq_len, loaded.config)
-    _check_finite_weights(loaded.model)
-    windows = pick_windows(loaded.tokenizer, text, settings)
-    if "kv" in runners and len(windows) < 2:
-        raise AccelError(f"--for kv needs at least 2 windows of --seq-len {settings.seq_len}; the text holds "
-                         f"{len(windows)}")
-    reports: dict[str, Any] = {}
-    with output_dir(Path(out), force, inputs=[Path(model), Path(data), *filter(None, [loaded.path])]) as tmp:
-        for kind, run in runners.items():
-            (tmp / kind).mkdir()
-            reports[kind] = run(CalibContext(str(model), loaded, text, windows, tmp / kind, settings, progress))
-        manifest = {"producer": f"accel {__version__}", "model": str(model), "for": list(runners),
-                    "model_sha256": model_files_sha256(loaded.input_files),
-                    "data": {Path(data).name: file_sha256(Path(data))}, "settings": asdict(settings),
-                    "tokens": int(windows.size), "windows": len(windows), "reports": without_timings(reports),
-                    "files": calibration_files_sha256(tmp)}
-        atomic_write_text(tmp / CALIB_MANIFEST, json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False) + "\n")
+    with contextlib.ExitStack() as held:
+        if set(runners) == {"weights"} and not is_accel_output(model):
+            # the Hessians are recorded a decoder layer at a time: the weights are read a layer at a time too
+            loaded = held.enter_context(streamed_causal_lm(model, progress, NONFINITE))
+        else:
+            loaded = load_causal_lm(model, progress)
+            _check_finite_weights(loaded.model)
+        check_context(settings.seq_len, loaded.config)
+        windows = pick_windows(loaded.tokenizer, text, settings)
+        if "kv" in runners and len(windows) < 2:
+            raise AccelError(f"--for kv needs at least 2 windows of --seq-len {settings.seq_len}; the text holds "
+                             f"{len(windows)}")
+        reports: dict[str, Any] = {}
+        with output_dir(Path(out), force, inputs=[Path(model), Path(data), *filter(None, [loaded.path])]) as tmp:
+            for kind, run in runners.items():
+                (tmp / kind).mkdir()
+                reports[kind] = run(CalibContext(str(model), loaded, text, windows, tmp / kind, settings, progress))
+            manifest = {"producer": f"accel {__version__}", "model": str(model), "for": list(runners),
+                        "model_sha256": model_files_sha256(loaded.input_files),
+                        "data": {Path(data).name: file_sha256(Path(data))}, "settings": asdict(settings),
+                        "tokens": int(windows.size), "windows": len(windows), "reports": without_timings(reports),
+                        "files": calibration_files_sha256(tmp)}
+            atomic_write_text(tmp / CALIB_MANIFEST,
+                              json.dumps(manifest, indent=2, sort_keys=True, allow_nan=False) + "\n")
     return {"out": path_for_report(out), "for": list(runners), "windows": len(windows), "tokens": int(windows.size),
             "seconds": time.perf_counter() - started, "peak_rss_mb": peak_rss_mb(), **reports}

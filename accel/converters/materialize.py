@@ -79,7 +79,7 @@ def empty_model(config: Mapping[str, Any], attn_implementation: str | None = Non
         raise AccelError(f"cannot build a causal LM of type {model_type!r}: {one_line(err)}") from err
 
 
-def _parameter_groups(model: torch.nn.Module) -> dict[int, list[str]]:
+def parameter_groups(model: torch.nn.Module) -> dict[int, list[str]]:
     """Parameter id -> every name it has (tied parameters have several)."""
     groups: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -96,7 +96,7 @@ def tensor_problems(model: torch.nn.Module, shapes: Mapping[str, tuple[int, ...]
         shapes = to_model_shapes(model_type, shapes)
     except AccelError as exc:
         return [str(exc)]
-    groups = _parameter_groups(model)
+    groups = parameter_groups(model)
     param_names = {name for names in groups.values() for name in names}
     expected = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
     expected.update({n: tuple(model.get_parameter(n).shape) for n in param_names})
@@ -129,6 +129,21 @@ def loading_problem(config: Mapping[str, Any], shapes: Mapping[str, tuple[int, .
     return problems[0] if problems else None
 
 
+def assign_parameters(model: torch.nn.Module, groups: list[list[str]], tensors: Mapping[str, Any]) -> None:
+    """Set each group of tied parameter names (`parameter_groups`) to one float32 parameter made from the tensors
+    given for it (by model name; several given must be equal)."""
+    for names in groups:
+        given = [n for n in names if n in tensors]
+        value = _as_float32(given[0], tensors[given[0]])
+        for other in given[1:]:
+            if not torch.equal(value, _as_float32(other, tensors[other])):
+                raise AccelError(f"tensors {given[0]!r} and {other!r} are tied in this model but differ")
+        param = torch.nn.Parameter(value, requires_grad=False)
+        for name in names:
+            module_name, _, leaf = name.rpartition(".")
+            model.get_submodule(module_name)._parameters[leaf] = param
+
+
 def build_transformers_model(
     config: Mapping[str, Any],
     tensors: Mapping[str, np.ndarray | torch.Tensor],
@@ -146,19 +161,10 @@ def build_transformers_model(
     problems = tensor_problems(model, {n: tuple(t.shape) for n, t in tensors.items()}, config["model_type"])
     if problems:
         raise AccelError(problems[0])
-    groups = _parameter_groups(model)
+    groups = parameter_groups(model)
     param_names = {name for names in groups.values() for name in names}
     persistent_buffers = [n for n in model.state_dict(keep_vars=True) if n not in param_names]
-    for names in sorted(groups.values()):
-        given = [n for n in names if n in tensors]
-        value = _as_float32(given[0], tensors[given[0]])
-        for other in given[1:]:
-            if not torch.equal(value, _as_float32(other, tensors[other])):
-                raise AccelError(f"tensors {given[0]!r} and {other!r} are tied in this model but differ")
-        param = torch.nn.Parameter(value, requires_grad=False)
-        for name in names:
-            module_name, _, leaf = name.rpartition(".")
-            model.get_submodule(module_name)._parameters[leaf] = param
+    assign_parameters(model, sorted(groups.values()), tensors)
 
     for name in persistent_buffers:
         if name in tensors:

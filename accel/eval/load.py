@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +54,7 @@ class LoadedModel:
     maps: dict[str, Any] = field(default_factory=dict)  # kind -> accel.quantize.maps.StoredMap (OUT_DIRs only)
     input_files: list[Path] = field(default_factory=list)  # a source model's files (what calibrations record)
     path: Path | None = None  # the directory or file it was read from (an alias resolved)
+    streamed: Any = None  # an accel.converters.streamed.StreamedModel whose `model` this is (streamed_causal_lm)
 
 
 def load_decoded_tensors(art: Artifact, progress: Progress = SILENT) -> dict[str, np.ndarray]:
@@ -120,3 +123,24 @@ def load_causal_lm(spec: str | Path, progress: Progress = SILENT, kernels: bool 
         progress.close()
         return LoadedModel(model, tokenizer, dict(source.config), "source",
                            input_files=list(source.input_files), path=source.path)
+
+
+@contextlib.contextmanager
+def streamed_causal_lm(spec: str | Path, progress: Progress = SILENT,
+                       nonfinite_message: str | None = None) -> Iterator[LoadedModel]:
+    """A source model whose weights stay in the source while the block runs: `model` is built on the meta device,
+    and `streamed` (accel.converters.streamed.StreamedModel) loads and releases parts of it. Not an OUT_DIR."""
+    from accel.converters import open_model
+    from accel.converters.streamed import StreamedModel
+
+    if is_accel_output(spec):
+        raise AccelError(f"{spec}: an accel output is decoded whole, not streamed from its source")
+    progress.stage(f"opening {Path(str(spec)).name}", 2)
+    with open_model(spec) as source:
+        progress.advance()
+        streamed = StreamedModel(source, nonfinite_message)
+        tokenizer = source.load_tokenizer()
+        progress.advance()
+        progress.close()
+        yield LoadedModel(streamed.model, tokenizer, dict(source.config), "source",
+                          input_files=list(source.input_files), path=source.path, streamed=streamed)
