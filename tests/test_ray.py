@@ -81,3 +81,25 @@ def test_ray_keeps_the_callers_signal_handlers():
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
+
+
+def test_a_local_instance_starts_without_rays_authentication_notice(capfd, monkeypatch):
+    """Ray logged 'Token authentication is enabled for this Ray cluster...' on stderr at every `--ray local` start;
+    the notice is held back (authentication stays on: Ray's default is kept)."""
+    import logging
+
+    from accel.quantize.parallel import ray_workers
+
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    logger.addHandler(handler)
+    try:
+        with ray_workers("local", 1):
+            pass
+    finally:
+        logger.removeHandler(handler)
+    assert not [r for r in records if "Token authentication" in r.getMessage()]
+    assert "Token authentication" not in capfd.readouterr().err

@@ -120,7 +120,7 @@ def collect_hessians(model: torch.nn.Module, windows: np.ndarray, progress: Prog
     if stack is not None:
         body_prefix = next(f"{n}." if n else "" for n, m in model.named_modules() if m is body)
         weights.load(lambda name: name.startswith(body_prefix) and not name.startswith(stack[0] + "."))
-        if not _layer_by_layer_matches(body, stack, windows[0], weights):
+        if not _layer_by_layer_matches(body, stack, windows[0], weights, progress):
             stack = None
     if stack is None:
         weights.load(lambda name: True)
@@ -201,7 +201,7 @@ class _NotLayerByLayer(Exception):
 
 
 def _layer_by_layer_matches(body, stack_named: tuple[str, torch.nn.ModuleList], window: np.ndarray,
-                            weights: Any) -> bool:
+                            weights: Any, progress: Progress = SILENT) -> bool:
     """Whether running the layers one by one on what the decoder passes them reproduces, bit for bit, the last
     layer's output of a whole forward pass (a model whose decoder does more between its layers would not). Both
     run in one pass over the layers: while the whole forward pass is in layer i (its weights loaded), layer i also
@@ -229,9 +229,11 @@ def _layer_by_layer_matches(body, stack_named: tuple[str, torch.nn.ModuleList], 
                     whole.append(out[0] if isinstance(out, tuple) else out)
             finally:
                 weights.release(_layer_weights(prefix, i))
+                progress.advance()
             return out
         return forward
 
+    progress.stage("checking the layer-by-layer pass", len(stack))
     for i, layer in enumerate(stack):
         layer.forward = both(i, layer.forward)
     try:
@@ -239,6 +241,7 @@ def _layer_by_layer_matches(body, stack_named: tuple[str, torch.nn.ModuleList], 
     finally:
         for layer in stack:
             del layer.forward
+    progress.close()
     hidden = chained[0]
     return hidden is not None and len(whole) == 1 and hidden.shape == whole[0].shape and torch.equal(hidden, whole[0])
 

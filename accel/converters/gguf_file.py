@@ -124,6 +124,11 @@ def _float32_shortest(value: float) -> float:
     return float(str(np.float32(value)))
 
 
+# The tokenizer's per-token arrays: dropped from the reader once the file is open (see GGUFSource.__init__).
+TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
+                    "tokenizer.ggml.token_type")
+
+
 class GGUFSource(ModelSource):
     """A .gguf file of a supported architecture, seen as a Hugging Face model."""
 
@@ -158,6 +163,9 @@ class GGUFSource(ModelSource):
         self._names = sorted(self._entries)
         self.input_files = [self.path]
         self._tokenizer = None
+        self._has_tokenizer = "tokenizer.ggml.tokens" in self._reader.fields
+        for key in TOKENIZER_ARRAYS:  # gguf holds an object a token (160 MB for a 49k vocabulary); transformers'
+            self._reader.fields.pop(key, None)  # tokenizer loader reads the file itself
 
     # --- llama ---------------------------------------------------------------------------------------------
 
@@ -435,7 +443,7 @@ class GGUFSource(ModelSource):
 
     def load_tokenizer(self) -> Any:
         if self._tokenizer is None:
-            if "tokenizer.ggml.tokens" not in self._reader.fields:
+            if not self._has_tokenizer:
                 raise AccelError(f"{self.path}: the GGUF file carries no tokenizer")
             from transformers import AutoTokenizer
 

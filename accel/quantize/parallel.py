@@ -6,6 +6,7 @@ Results are gathered by tensor name, so the output bytes do not depend on the nu
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import os
 import signal
@@ -130,6 +131,27 @@ def _own_signal_handlers() -> Iterator[None]:
                 original(sig, handler)
 
 
+# The logger of Ray's notice that it turned token authentication on for a new local instance (its default).
+_RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+@contextlib.contextmanager
+def _quiet_auth_notice(address: str) -> Iterator[None]:
+    """Starting a local instance, Ray logs on stderr that it chose token authentication (the default, which is
+    kept): a line on every `--ray local` run that asks nothing of the user. Its logger is held at ERROR while the
+    instance starts; connecting to a cluster logs as it always does."""
+    if address != "local":
+        yield
+        return
+    logger = logging.getLogger(_RAY_AUTH_LOGGER)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _accel_version() -> str:
     from accel import __version__
 
@@ -150,7 +172,7 @@ def ray_workers(address: str, jobs: int) -> Iterator[Workers]:
     env = {"env_vars": {k: "1" for k in _THREAD_VARS}}
     pending: list[Any] = []
     try:
-        with _own_signal_handlers():
+        with _own_signal_handlers(), _quiet_auth_notice(address):
             try:
                 if address == "local":
                     ray.init(num_cpus=jobs, include_dashboard=False, log_to_driver=False, configure_logging=False,
