@@ -106,3 +106,17 @@ def test_a_constant_huge_group_round_trips_through_the_codec():
     entry, arrays = encode_tensor("t", w, "affine", levels=16, group=64, symmetric=False)
     assert entry.params["scale_dtype"] == "float32"
     np.testing.assert_array_equal(decode_parts(entry, {p: arrays[n] for p, n in entry.parts.items()}), w)
+
+
+def test_an_affine_group_spanning_past_float32_is_refused_not_decoded_to_inf():
+    """A group from -3e38 to 3e38 was stored with a float32 scale whose q·scale overflows when decoded (inf where the
+    weight was 3e38); quantize now names the tensor instead. A symmetric grid and a span just inside the range
+    still round-trip finite."""
+    from accel.quantize.parallel import encode_one
+
+    w = np.array([[3e38, -3e38, 1.0, 2.0]], dtype=np.float32)
+    with pytest.raises(AccelError, match=r"tensor 'w': an affine group's values span more than float32's range"):
+        encode_one("rtn3", "w", w, WeightSettings(group=4))
+    for symmetric, values in ((True, w), (False, w / 2.5)):
+        entry, arrays = encode_tensor("t", values, "affine", levels=8, group=4, symmetric=symmetric)
+        assert np.isfinite(decode_parts(entry, {p: arrays[n] for p, n in entry.parts.items()})).all()

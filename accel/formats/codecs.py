@@ -192,6 +192,10 @@ class AffineCodec(Codec, name="affine"):
                 scale = dtypes.to_storage(step, grid_dtype(step, top))
             else:
                 lo, step = g.min(axis=2), (g.max(axis=2) - g.min(axis=2)) / top
+                if np.any((g.max(axis=2) - lo) * (1 + 1e-6) > np.finfo(np.float32).max):
+                    # decoding computes q·scale in float32 before it adds the offset: that product would be inf
+                    raise ValueError("an affine group's values span more than float32's range (about 3.4e38): "
+                                     "its decoded values would overflow")
                 sdt = grid_dtype(step, top, lo)
                 scale, offset = dtypes.to_storage(step, sdt), dtypes.to_storage(lo, sdt)
         sdt = "float16" if scale.dtype == np.float16 else "float32"
