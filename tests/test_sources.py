@@ -608,6 +608,24 @@ def test_mixtral_gguf_builds_the_model_it_was_written_from(tmp_path, stacked):
         assert torch.equal(built(ids).logits, model(ids).logits)
 
 
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_moe_gguf_calibrates_a_layer_at_a_time_from_the_file(tmp_path, model_type):
+    """calibrate --for weights reads a GGUF file's experts one decoder layer at a time (StreamedModel): the Hessians
+    are the whole model's, bit for bit, every expert's included."""
+    from accel.calibrate.hessians import collect_hessians
+    from accel.converters.streamed import StreamedModel
+
+    path = tmp_path / f"{model_type}.gguf"
+    write_moe_gguf(path, random_moe(model_type), stacked=model_type != "qwen2_moe")
+    windows = np.random.default_rng(0).integers(0, TINY["vocab_size"], (3, 24))
+    with open_model(path) as src:
+        whole, whole_keys = collect_hessians(build_transformers_model(src.config, dict(src.iter_tensors())), windows)
+        streamed = StreamedModel(src)
+        layered, keys = collect_hessians(streamed.model, windows, streamed=streamed)
+    assert keys == whole_keys and set(layered) == set(whole) and any(".experts." in k for k in whole)
+    assert all(np.array_equal(layered[k], whole[k]) for k in whole)
+
+
 def test_mixtral_gguf_quantized_experts_are_sliced_per_expert(tmp_path):
     """Q8_0 stacked experts: each expert's tensor is gguf's dequantization of the whole stack, its slice, and is
     kept on its own grid bit for bit (native_grid reads the expert's blocks)."""
