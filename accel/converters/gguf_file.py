@@ -163,7 +163,12 @@ class GGUFSource(ModelSource):
         self._names = sorted(self._entries)
         self.input_files = [self.path]
         self._tokenizer = None
-        self._has_tokenizer = "tokenizer.ggml.tokens" in self._reader.fields
+        tokens = self._reader.fields.get("tokenizer.ggml.tokens")
+        self._has_tokenizer = tokens is not None
+        self._vocab = len(tokens.data) if tokens is not None else 0
+        # the header and metadata: what transformers' tokenizer conversion reads (the tokenizer cache's key)
+        self._metadata_end = max((f.offset + sum(int(p.nbytes) for p in f.parts)
+                                  for f in self._reader.fields.values()), default=0)
         for key in TOKENIZER_ARRAYS:  # gguf holds an object a token (160 MB for a 49k vocabulary); transformers'
             self._reader.fields.pop(key, None)  # tokenizer loader reads the file itself
 
@@ -445,15 +450,21 @@ class GGUFSource(ModelSource):
         if self._tokenizer is None:
             if not self._has_tokenizer:
                 raise AccelError(f"{self.path}: the GGUF file carries no tokenizer")
-            from transformers import AutoTokenizer
+            from accel.converters.tokenizer_cache import cache_key, cached_tokenizer
 
             try:
-                self._tokenizer = AutoTokenizer.from_pretrained(
-                    str(self.path.parent), gguf_file=self.path.name
-                )
+                with open(self.path, "rb") as f:
+                    key = cache_key(f.read(self._metadata_end))
+                self._tokenizer = cached_tokenizer(key, self._vocab, self._build_tokenizer)
             except Exception as err:
                 raise AccelError(f"{self.path}: cannot build the tokenizer: {one_line(err)}") from err
         return self._tokenizer
+
+    def _build_tokenizer(self) -> Any:
+        """transformers' conversion of the file's tokenizer metadata (seconds: accel caches the result)."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
 
     def save_support_files(self, out_dir: Path) -> None:
         out_dir = Path(out_dir)
