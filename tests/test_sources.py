@@ -389,9 +389,15 @@ def random_qwen(arch: str, seed: int = 7) -> torch.nn.Module:
     """A tiny Qwen2 (q/k/v biases) or Qwen3 (q/k norms, head_dim not hidden / heads) with informative norms and
     biases, as the random_llama above. Qwen3's head_dim is 128, Qwen3Config's default: transformers' GGUF loader
     does not read qwen3.attention.key_length (accel does), so only at the default do both read the same model."""
-    torch.manual_seed(seed)
     extra = {"head_dim": 128} if arch == "qwen3" else {}
-    config = AutoConfig.for_model(arch, **{**TINY, "rope_theta": 1_000_000.0, **extra})
+    return informative_model(arch, seed, rope_theta=1_000_000.0, **extra)
+
+
+def informative_model(model_type: str, seed: int, **extra) -> torch.nn.Module:
+    """A tiny random model of TINY's sizes whose norms and biases are not their initial ones (so that a file that
+    drops or swaps them gives other logits)."""
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(model_type, **{**TINY, **extra})
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -496,14 +502,7 @@ GGUF_MOE_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen
 
 def random_moe(model_type: str = "mixtral", seed: int = 11) -> torch.nn.Module:
     """A tiny mixture-of-experts model with informative norms and biases (as random_qwen)."""
-    torch.manual_seed(seed)
-    config = AutoConfig.for_model(model_type, **{**TINY, "rope_theta": 1e6, **MOE_EXTRA[model_type]})
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(("norm.weight", ".bias")):
-                param.add_(0.1 * torch.randn_like(param))
-    return model
+    return informative_model(model_type, seed, rope_theta=1e6, **MOE_EXTRA[model_type])
 
 
 _MOE_TO_GGUF = {"mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
