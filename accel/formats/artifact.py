@@ -68,6 +68,10 @@ class WeightsWriter:
             self._spill.write(data.reshape(-1).view(np.uint8).data)
         self._tensors.append((entry, infos))
 
+    def tensors(self) -> list[tuple[TensorEntry, int]]:
+        """The tensors added so far, in the order added, with the bytes each stores."""
+        return [(entry, sum(info.nbytes for info in infos.values())) for entry, infos in self._tensors]
+
     def _read(self, name: str) -> np.ndarray:
         offset, dtype = self._where[name]
         nbytes = self._infos[name].nbytes

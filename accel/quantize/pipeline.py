@@ -289,20 +289,13 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
         with output_dir(Path(out), force, inputs=inputs + [Path(model), source.path] + calib) as tmp, \
                 WeightsWriter(tmp, settings.max_shard_bytes) as writer:
             progress.stage(f"quantizing ({settings.weights or 'weights kept'})", len(names))
-            summary: dict[str, dict[str, Any]] = {}
             held: list[Encoded] = []  # --tune-steps refits the leech tensors' scales after all are quantized
-
-            def write(item: Encoded) -> None:
-                entry, arrays = item
-                summary[entry.name] = {"codec": entry.codec, "layout": entry.layout, "role": entry.role,
-                                       "bytes": int(sum(a.nbytes for a in arrays.values()))}
-                writer.add(item)
 
             def store(item: Encoded) -> None:
                 if settings.tune_steps:
                     held.append(item)
                 else:
-                    write(item)
+                    writer.add(item)
                 progress.advance()
 
             with workers(jobs if parallel else 1, ray) as pool:
@@ -334,14 +327,16 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
                                           hessians.windows(), settings.tune_steps, seed=settings.seed,
                                           progress=progress, model_name=model_names.model_name)
                 for item in held:
-                    write(item)
+                    writer.add(item)
                 del held[:]
             maps_doc = {}
             for kind, stored in maps.items():
                 maps_doc[kind], map_tensors = encode_map(stored)
                 for item in map_tensors:
-                    write(item)  # accel.json lists the map's tensors too
+                    writer.add(item)
             writer.finish(extra={"maps": maps_doc} if maps_doc else None)
+            summary = {entry.name: {"codec": entry.codec, "layout": entry.layout, "role": entry.role, "bytes": nbytes}
+                       for entry, nbytes in writer.tensors()}  # every stored tensor, the maps' included
             source.save_support_files(tmp)
             config = dict(source.config)
             config["accel"] = {"format_version": FORMAT_VERSION, "weights": settings.weights,
