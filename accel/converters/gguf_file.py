@@ -166,10 +166,11 @@ class GGUFSource(ModelSource):
         tokens = self._reader.fields.get("tokenizer.ggml.tokens")
         self._has_tokenizer = tokens is not None
         self._vocab = len(tokens.data) if tokens is not None else 0
-        # the header and metadata: what transformers' tokenizer conversion reads (the tokenizer cache's key)
-        self._metadata_end = max((f.offset + sum(int(p.nbytes) for p in f.parts)
-                                  for f in self._reader.fields.values()), default=0)
-        for key in TOKENIZER_ARRAYS:  # gguf holds an object a token (160 MB for a 49k vocabulary); transformers'
+        # the header and metadata, up to the end of the last field (gguf lists them in file order): what
+        # transformers' tokenizer conversion reads, the tokenizer cache's key
+        last = next(reversed(self._reader.fields.values()), None)
+        self._metadata_end = 0 if last is None else last.offset + sum(int(p.nbytes) for p in last.parts)
+        for key in TOKENIZER_ARRAYS:  # numpy views a token: 86 MiB of SmolLM2's resident memory; transformers'
             self._reader.fields.pop(key, None)  # tokenizer loader reads the file itself
 
     # --- llama ---------------------------------------------------------------------------------------------
