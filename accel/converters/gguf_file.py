@@ -12,7 +12,6 @@ rotary embedding is the same rotate-half as transformers').
 
 from __future__ import annotations
 
-import mmap
 import re
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
@@ -21,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from accel.converters.gguf_header import GGUFArray, GGUFHeader
 from accel.converters.sources import ModelSource, config_json_bytes, one_line
 from accel.errors import AccelError, FormatError
 from accel.formats.container import drop_resident
@@ -104,29 +104,17 @@ class _Entry:
     expert: int | None = None  # set for one expert's slice of a stacked experts tensor
 
 
-def _scalar(reader: Any, key: str, default: Any = None) -> Any:
+def _scalar(header: GGUFHeader, key: str, default: Any = None) -> Any:
     """One scalar metadata value (int, float, bool or str), or `default` when absent."""
-    import gguf
-
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    if not field.types or field.types[0] == gguf.GGUFValueType.ARRAY:
-        raise AccelError(f"{reader.data.filename}: GGUF metadata {key!r} is an array; one value was expected")
-    part = field.parts[field.data[0]]
-    if field.types[0] == gguf.GGUFValueType.STRING:
-        return bytes(part).decode("utf-8", errors="replace")
-    return part[0].item()
+    value = header.fields.get(key, default)
+    if isinstance(value, GGUFArray):
+        raise AccelError(f"{header.path}: GGUF metadata {key!r} is an array; one value was expected")
+    return value
 
 
 def _float32_shortest(value: float) -> float:
     """The shortest decimal that is the same float32, e.g. 9.999999747e-06 -> 1e-05 (both are one float32)."""
     return float(str(np.float32(value)))
-
-
-# The tokenizer's per-token arrays: dropped from the reader once the file is open (see GGUFSource.__init__).
-TOKENIZER_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
-                    "tokenizer.ggml.token_type")
 
 
 class GGUFSource(ModelSource):
@@ -135,48 +123,36 @@ class GGUFSource(ModelSource):
     SUPPORTED_ARCHITECTURES = tuple(HF_ARCHITECTURES)
 
     def __init__(self, path: Path, name: str | None = None):
-        import gguf
-
         self.path = Path(path).absolute()
         self.name = name if name is not None else str(path)
         try:
-            self._reader = gguf.GGUFReader(str(self.path), "r")
-            tensors = list(self._reader.tensors)
-            # Touch every tensor's extent: a truncated file fails here, not halfway through a conversion.
-            for t in tensors:
-                if t.data.nbytes != t.n_bytes:
-                    raise ValueError(f"tensor {t.name} has {t.data.nbytes} of its {t.n_bytes} bytes")
-        except AccelError:
-            raise
-        except Exception as err:  # gguf raises ValueError / struct / numpy errors on damaged files
+            self._header = GGUFHeader(self.path)
+        except Exception as err:  # GGUFHeaderError names what is damaged and where; OSError
             raise FormatError(f"{self.path}: not a valid GGUF file: {one_line(err)}") from err
 
-        self.architecture = str(_scalar(self._reader, "general.architecture", ""))
+        self.architecture = str(_scalar(self._header, "general.architecture", ""))
         if self.architecture not in self.SUPPORTED_ARCHITECTURES:
             raise AccelError(
                 f"{self.path}: GGUF architecture {self.architecture!r} is not supported "
                 f"(supported: {', '.join(self.SUPPORTED_ARCHITECTURES)})"
             )
-        self._tensors = {t.name: t for t in tensors}
+        self._tensors = {t.name: t for t in self._header.tensors}
         self.config = self._llama_config()
         self._entries = self._llama_entries()
         self._names = sorted(self._entries)
         self.input_files = [self.path]
         self._tokenizer = None
-        tokens = self._reader.fields.get("tokenizer.ggml.tokens")
-        self._has_tokenizer = tokens is not None
-        self._vocab = len(tokens.data) if tokens is not None else 0
-        # the header and metadata, up to the end of the last field (gguf lists them in file order): what
-        # transformers' tokenizer conversion reads, the tokenizer cache's key
-        last = next(reversed(self._reader.fields.values()), None)
-        self._metadata_end = 0 if last is None else last.offset + sum(int(p.nbytes) for p in last.parts)
-        for key in TOKENIZER_ARRAYS:  # numpy views a token: 86 MiB of SmolLM2's resident memory; transformers'
-            self._reader.fields.pop(key, None)  # tokenizer loader reads the file itself
+        tokens = self._header.fields.get("tokenizer.ggml.tokens")
+        self._has_tokenizer = isinstance(tokens, GGUFArray)
+        self._vocab = tokens.count if self._has_tokenizer else 0
+        # the header and metadata, up to the end of the last entry: what transformers' tokenizer conversion reads,
+        # the tokenizer cache's key
+        self._metadata_end = self._header.metadata_end
 
     # --- llama ---------------------------------------------------------------------------------------------
 
     def _meta(self, key: str, default: Any = None, required: bool = False) -> Any:
-        value = _scalar(self._reader, f"{self.architecture}.{key}", default)
+        value = _scalar(self._header, f"{self.architecture}.{key}", default)
         if value is None and required:
             raise FormatError(f"{self.path}: GGUF metadata {self.architecture}.{key} is missing")
         return value
@@ -204,7 +180,7 @@ class GGUFSource(ModelSource):
         embed = self._tensors.get("token_embd.weight")
         if embed is None:
             raise FormatError(f"{self.path}: no token_embd.weight tensor")
-        vocab = int(embed.shape[1])  # GGUF lists dimensions innermost first
+        vocab = embed.shape[1]  # GGUF lists dimensions innermost first
         meta_vocab = self._meta("vocab_size")
         if meta_vocab is not None and int(meta_vocab) != vocab:
             raise FormatError(f"{self.path}: vocab_size {meta_vocab} but token_embd.weight has {vocab} rows")
@@ -263,7 +239,7 @@ class GGUFSource(ModelSource):
             ("eos_token_id", "eos_token_id"),
             ("padding_token_id", "pad_token_id"),
         ):
-            value = _scalar(self._reader, f"tokenizer.ggml.{key}")
+            value = _scalar(self._header, f"tokenizer.ggml.{key}")
             if value is not None:
                 config[hf_key] = int(value)
         return config
@@ -324,7 +300,7 @@ class GGUFSource(ModelSource):
     def _stacked_entries(self, gguf_name: str, t: Any) -> dict[str, _Entry]:
         """One entry an expert for a stacked experts tensor ([experts, rows, columns] in PyTorch's order)."""
         layer, part = _STACKED_RE.fullmatch(gguf_name).groups()
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        shape = tuple(reversed(t.shape))
         if len(shape) != 3 or shape[0] != self._expert_count:
             raise FormatError(f"{self.path}: tensor {gguf_name} is {list(shape)}, not "
                               f"[{self._expert_count} experts, rows, columns]")
@@ -342,7 +318,7 @@ class GGUFSource(ModelSource):
                 entries.update(self._stacked_entries(gguf_name, t))
                 continue
             hf_name = self._hf_name(gguf_name)
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            shape = tuple(reversed(t.shape))
             if gguf_name.endswith(".ffn_gate_inp_shexp.weight") and len(shape) == 1:
                 shape = (1, shape[0])  # llama.cpp keeps Qwen2-MoE's shared-expert gate as a vector
             qk_heads = None
@@ -415,14 +391,11 @@ class GGUFSource(ModelSource):
     def _release(self, entry: _Entry) -> None:
         """Drop a tensor's mapped pages (an expert's, of a stacked tensor) from this process's resident set once it
         is copied out (they fault back in from the page cache if read again): a whole file's worth otherwise
-        stayed resident and counted in quantize's peak_rss_mb (docs/architecture.md, "Memory"). numpy's memmap
-        keeps its mmap as `_mmap`."""
+        stayed resident and counted in quantize's peak_rss_mb (docs/architecture.md, "Memory")."""
         t = self._tensors[entry.gguf_name]
-        mapped = getattr(self._reader.data, "_mmap", None)
-        if isinstance(mapped, mmap.mmap):
-            size = int(t.n_bytes) if entry.expert is None else int(t.n_bytes) // int(t.data.shape[0])
-            start = int(t.data_offset) + (entry.expert or 0) * size
-            drop_resident(mapped, start, start + size)
+        size = t.n_bytes if entry.expert is None else t.n_bytes // int(t.data.shape[0])
+        start = t.data_offset + (entry.expert or 0) * size
+        drop_resident(self._header.mapping, start, start + size)
 
     def native_grid(self, name: str) -> dict[str, Any] | None:
         """Q4_1 blocks (x = d*q + m, q in 0..15) and Q8_0 blocks (x = d*q, q in -128..127; as q + 128 on the grid
@@ -479,4 +452,4 @@ class GGUFSource(ModelSource):
 
     def close(self) -> None:
         self._tensors = {}
-        self._reader = None
+        self._header = None
