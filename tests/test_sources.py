@@ -477,6 +477,33 @@ def test_llama3_rope_scaling_comes_back_as_an_equivalent_triple(low, high, origi
     assert scaling["factor"] == factor and torch.allclose(got, want, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("context", [8192, 4096, 300])
+def test_llama3_rope_scaling_stays_below_a_short_context(tmp_path, capfd, context):
+    """A file whose context is at or below Llama 3's original 8192 (a fine-tune cut short): the triple is halved
+    until its original context is below the model's, so transformers does not warn that it must be, and the
+    frequencies are bit for bit those of the published triple (a power-of-two scale is exact)."""
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    model = random_llama(seed=11, hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=16384, rope_parameters=rope)
+    path = tmp_path / "llama3.gguf"
+    write_gguf(path, model, rope_factors=llama_cpp_rope_factors(model.config))
+    data = bytearray(path.read_bytes())
+    at = data.index(b"llama.context_length") + len(b"llama.context_length") + 4  # after the uint32 type tag
+    data[at:at + 4] = context.to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    capfd.readouterr()
+    src = open_model(path)
+    scaling = src.config["rope_scaling"]
+    assert src.config["max_position_embeddings"] == context
+    assert scaling["original_max_position_embeddings"] < context and scaling["factor"] == 8.0
+    ratio = 8192 // scaling["original_max_position_embeddings"]
+    assert (scaling["low_freq_factor"] * ratio, scaling["high_freq_factor"] * ratio) == (1.0, 4.0)
+    built = build_transformers_model(src.config, dict(src.iter_tensors()))
+    assert "original_max_position_embeddings" not in capfd.readouterr().err
+    assert torch.equal(built.model.rotary_emb.inv_freq, model.model.rotary_emb.inv_freq)
+
+
 def test_llama3_rope_scaling_refuses_divisors_it_cannot_reproduce():
     from accel.converters.gguf_rope import llama3_rope_scaling, rotary_frequencies
 

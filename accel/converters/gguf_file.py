@@ -204,7 +204,7 @@ class GGUFSource(ModelSource):
             "rope_theta": _float32_shortest(self._meta("rope.freq_base", 10000.0)),
             "tie_word_embeddings": "output.weight" not in names,
         }
-        scaling = self._rope_scaling(config["rope_theta"], int(head_dim))
+        scaling = self._rope_scaling(config["rope_theta"], int(head_dim), config["max_position_embeddings"])
         if scaling is not None:
             config["rope_scaling"] = scaling
         block_biases = {n.split(".")[2] for n in names if n.startswith("blk.") and n.endswith(".bias")}
@@ -244,7 +244,7 @@ class GGUFSource(ModelSource):
                 config[hf_key] = int(value)
         return config
 
-    def _rope_scaling(self, theta: float, head_dim: int) -> dict[str, Any] | None:
+    def _rope_scaling(self, theta: float, head_dim: int, context: int) -> dict[str, Any] | None:
         """Llama 3's rope scaling, from the divisors llama.cpp stores in place of its parameters (gguf_rope.py)."""
         from accel.converters.gguf_rope import llama3_rope_scaling
 
@@ -253,7 +253,7 @@ class GGUFSource(ModelSource):
         if self.architecture != "llama":
             raise AccelError(f"{self.path}: {ROPE_FREQS} in a {self.architecture} GGUF file is not supported")
         try:
-            return llama3_rope_scaling(self._dequantized(ROPE_FREQS), theta, head_dim)
+            return llama3_rope_scaling(self._dequantized(ROPE_FREQS), theta, head_dim, context)
         except AccelError as err:
             raise AccelError(f"{self.path}: {err}") from None
 

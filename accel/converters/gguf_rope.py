@@ -41,9 +41,11 @@ def llama3_divisors(freqs: np.ndarray, factor: float, low: float, high: float, o
     return np.where(wavelengths > original / low, factor, divisors)
 
 
-def llama3_rope_scaling(divisors: np.ndarray, theta: float, head_dim: int) -> dict[str, Any] | None:
+def llama3_rope_scaling(divisors: np.ndarray, theta: float, head_dim: int,
+                        context: int | None = None) -> dict[str, Any] | None:
     """The `rope_scaling` dict that reproduces `divisors` (None when they are all 1: no scaling); AccelError when
-    no Llama 3 scaling does."""
+    no Llama 3 scaling does. With the model's `context` (max_position_embeddings) at or below 8192, the triple is
+    halved until its original context is below it (`_below_context`)."""
     divisors = np.asarray(divisors, dtype=np.float64).reshape(-1)
     freqs = rotary_frequencies(theta, head_dim)
     if divisors.shape != freqs.shape or not np.all(np.isfinite(divisors)) or np.any(divisors <= 0):
@@ -61,10 +63,21 @@ def llama3_rope_scaling(divisors: np.ndarray, theta: float, head_dim: int) -> di
     for low, high in ((_short(low), _short(high)) for low, high in candidates):
         predicted = llama3_divisors(freqs, factor, low, high, LLAMA3_ORIGINAL_CONTEXT)
         if np.allclose(predicted, divisors, rtol=_TOLERANCE, atol=0):
+            low, high, original = _below_context(low, high, LLAMA3_ORIGINAL_CONTEXT, context)
             return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
-                    "original_max_position_embeddings": LLAMA3_ORIGINAL_CONTEXT}
+                    "original_max_position_embeddings": original}
     raise AccelError("rope_freqs.weight is not a Llama 3 rope scaling (no factor, low and high frequency factors "
                      "reproduce its values)")
+
+
+def _below_context(low: float, high: float, original: int, context: int | None) -> tuple[float, float, int]:
+    """The same triple scaled by a power of two until `original` is below `context`: transformers warns about an
+    original context at or above the model's, and only the ratios original / (high - low) and low / (high - low)
+    enter its frequencies, which a power-of-two scale leaves bit for bit as they were (every operation on the
+    three is a division or a difference of two of them)."""
+    while context is not None and original >= context and original % 2 == 0:
+        low, high, original = low / 2, high / 2, original // 2
+    return low, high, original
 
 
 def _ramp(freqs: np.ndarray, divisors: np.ndarray, factor: float) -> tuple[float, float] | None:
