@@ -115,6 +115,29 @@ def test_an_inconsistent_config_is_one_line(capsys, tmp_path, text_file):
     assert len(err) < 200
 
 
+def test_sliding_layers_without_a_window_are_one_line(capsys, model, tmp_path, text_file):
+    """A Qwen3 config with use_sliding_window false (so no window) whose layer_types lists sliding layers: transformers
+    builds the model, then fails in its cache (a TypeError traceback from eval, a ValueError from calibrate)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    source = tmp_path / "qwen3"
+    config = Qwen3Config(vocab_size=320, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, use_sliding_window=False,
+                         sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+    Qwen3ForCausalLM(config).save_pretrained(source)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model / name, source / name)
+    capsys.readouterr()
+    message = "layer_types makes layers 0 sliding_attention but its sliding_window is unset (use_sliding_window is"
+    for command in (("eval", source, "--data", text_file, "--windows", "1", "--seq-len", "32"),
+                    ("calibrate", source, "--for", "weights,kv", "--data", text_file, "--samples", "2",
+                     "--seq-len", "32", "--out", tmp_path / "c"),
+                    ("quantize", source, "--weights", "rtn4", "--out", tmp_path / "q")):
+        code, _, err = run(capsys, *command)
+        assert_one_line_error(code, err, 2, message)
+    assert not (tmp_path / "q").exists() and not (tmp_path / "c").exists()
+
+
 def test_a_non_finite_nll_fails_the_eval(capsys, tmp_path, text_file):
     poisoned = make_tiny_llama(tmp_path / "nan", poison="lm_head.weight")
     capsys.readouterr()

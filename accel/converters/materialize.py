@@ -71,12 +71,25 @@ def empty_model(config: Mapping[str, Any], attn_implementation: str | None = Non
         hf_config = AutoConfig.for_model(model_type, **kwargs)
     except Exception as err:  # transformers' config classes validate with their own exception types
         raise AccelError(f"the model config is not a valid {model_type!r} config: {one_line(err)}") from err
+    _check_sliding_layers(hf_config, model_type)
     extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     try:
         with _parameters_on_meta():
             return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, **extra)
     except Exception as err:  # a config value the model's constructor cannot use (head_dim 0: a ZeroDivisionError)
         raise AccelError(f"cannot build a causal LM of type {model_type!r}: {one_line(err)}") from err
+
+
+def _check_sliding_layers(hf_config: Any, model_type: str) -> None:
+    """A config whose layer_types has sliding-window layers but whose window is None (Qwen2/Qwen3 set it to None
+    when use_sliding_window is false) builds, then fails in transformers' cache and masks with a TypeError."""
+    sliding = [i for i, kind in enumerate(getattr(hf_config, "layer_types", None) or []) if kind == "sliding_attention"]
+    if sliding and getattr(hf_config, "sliding_window", None) is None:
+        shown = ", ".join(map(str, sliding[:8])) + (", ..." if len(sliding) > 8 else "")
+        off = " (use_sliding_window is false)" if getattr(hf_config, "use_sliding_window", None) is False else ""
+        raise AccelError(f"the {model_type!r} config's layer_types makes layers {shown} sliding_attention but its "
+                         f"sliding_window is unset{off}: transformers cannot run it; give a sliding_window or "
+                         f"make those layers full_attention")
 
 
 def parameter_groups(model: torch.nn.Module) -> dict[int, list[str]]:
