@@ -126,6 +126,27 @@ def test_affine_tiled_integer_kernel(rng, shape, levels, symmetric, group):
     assert not np.isfinite(kw.matvec(x)).any()
 
 
+@pytest.mark.parametrize("shape,group", [((9, 203), 4096), ((33, 1004), 12), ((16, 4100), 4), ((700, 2052), 36)])
+def test_int8_tiles_at_odd_widths(rng, shape, group):
+    """8-bit tiles (on AVX2: 16-bit input pieces, 8 columns a vector) where a block or the row ends 4 columns into
+    a vector, which writes one step of input only, and on enough rows for both threads."""
+    lib = _build.library()
+    if not lib.accel_tiled_kinds() & (1 << 8):
+        pytest.skip("this CPU or compiler has no 8-bit integer tile kernel (AVX-512 VNNI or AVX2)")
+    w = rng.standard_normal(shape)
+    entry, arrays = encode_tensor("w", w, "affine", layout="packed", levels=256, group=group)
+    parts = _parts(entry, arrays)
+    kw = _check_matvec(entry, parts, rng)
+    assert kw.tiled
+    x = rng.standard_normal(shape[1]).astype(np.float32)
+    x[::7] *= 1e4
+    ref = reference_matvec(entry, parts, x)
+    bound = np.abs(reference_weight(entry, parts)) @ np.abs(x.astype(np.float64))
+    for _ in range(3):
+        out = kw.matvec(x, np.full(shape[0], np.nan, dtype=np.float32))
+        assert _rel(out, ref) < 1e-5 and np.linalg.norm(out - ref) / np.linalg.norm(bound) < 2e-6
+
+
 @pytest.mark.parametrize("symmetric,group", [(False, 64), (True, 128), (False, 32), (False, 16), (True, 4096)])
 def test_int2_field_extractions_agree_bit_for_bit(rng, symmetric, group):
     """The two ways the VNNI tiles take 2-bit fields out of a byte (one bit-matrix product, or a shift and an AND:

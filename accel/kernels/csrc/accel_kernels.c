@@ -30,8 +30,8 @@
 
 /* AVX2 + FMA + F16C without AVX-512 (Zen 1-3, Intel client cores; -march=x86-64-v3 on any newer x86): 8-lane
  * versions of the row kernels (affine packed and base-L, Leech planes and onehot in 8-row tiles, the transforms)
- * and of the 4- and 2-bit affine tiles (vpmaddubsw); the other integer tile kernels are AVX-512 only, so their
- * serving copies are not made there (accel_tiled_kinds). */
+ * and of the 8-, 4- and 2-bit affine tiles (vpmaddwd, vpmaddubsw) and the base-3 tiles; the other integer tile
+ * kernels are AVX-512 only, so their serving copies are not made there (accel_tiled_kinds). */
 #if !HAVE_AVX512 && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define HAVE_AVX2 1
@@ -199,6 +199,13 @@ static inline float hsum8(__m256 v) {
 AI void maddubs_add(__m256i *acc, __m256i q, __m256i x) {
     __m256i t;
     __asm__("vpmaddubsw %3, %2, %1\n\tvpaddw %1, %0, %0" : "+x"(*acc), "=&x"(t) : "x"(q), "x"(x));
+}
+
+/* *acc += the int32 pair sums of q's signed 16-bit lanes times x's (vpmaddwd), as one asm statement like
+ * maddubs_add */
+AI void madd_add(__m256i *acc, __m256i q, __m256i x) {
+    __m256i t;
+    __asm__("vpmaddwd %3, %2, %1\n\tvpaddd %1, %0, %0" : "+x"(*acc), "=&x"(t) : "x"(q), "x"(x));
 }
 
 /* lanes i < n all ones (AVX2's masked loads and gathers read the top bit of a lane) */

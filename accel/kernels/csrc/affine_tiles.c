@@ -244,17 +244,21 @@ static void tiled_tile(const Tiled *a, int64_t t, const int32_t *xd, const float
 
 #if HAVE_AVX2
 #define HAVE_TILES_AVX2 1
-/* The affine tiles on AVX2 (4- and 2-bit codes; 8-bit codes keep the row kernel: a pair of their products, up to
- * 2 * 255 * 128, overflows vpmaddubsw's 16-bit sums). The same tile copy and the same input digits as the VNNI tiles,
+/* The affine tiles on AVX2. 4- and 2-bit codes: the same tile copy and the same input digits as the VNNI tiles,
  * read half a tile (8 rows, 32 bytes of a step) at a time: vpmaddubsw multiplies the code bytes (unsigned) by the
  * broadcast digit bytes (signed) and adds them in pairs into 16-bit lanes, vpaddw sums W steps of those for all the
  * fields of a byte (exact: |a step's sum| <= per * 2 * (2^bits - 1) * 128, W of them below 2^15), and vpmaddwd by
- * ones widens a row's two lanes into its int32 sum. */
+ * ones widens a row's two lanes into its int32 sum. 8-bit codes (a pair of their products, up to 2 * 255 * 128,
+ * would overflow vpmaddubsw's 16-bit sums): the codes widened to 16 bits, times the input in two 16-bit pieces
+ * X = 65536 Xh + Xl by vpmaddwd straight into int32 lanes (tiled_tile_avx2_8). */
 
 /* the input digits of block g (see tiled_block_input_t): 8 columns a vector, then the bytes of 16 columns into their
  * dword order (step, field) by one shuffle a piece. A block is whole steps (bw is a multiple of 4 per), and the bytes
  * of a last step's columns past the matrix's end are zero. */
+static int tiled_block_input8(const Tiled *a, const float *x, int32_t *xd, float *unit, float *gsum, int64_t g);
+
 static int tiled_block_input(const Tiled *a, const float *x, int32_t *xd, float *unit, float *gsum, int64_t g) {
+    if (a->bits == 8) return tiled_block_input8(a, x, xd, unit, gsum, g);
     const int per = 8 / a->bits;
     const int64_t c0 = g * a->bw, c1 = c0 + a->bw < a->cols ? c0 + a->bw : a->cols;
     float fac;
@@ -275,6 +279,30 @@ static int tiled_block_input(const Tiled *a, const float *x, int32_t *xd, float 
         int32_t *o = xd + ((c0 + cc) / 4) * 3; /* dword (k per + f) * 3 + p, k = c / (4 per) */
         for (int64_t j = 0; j < ndw; j++)
             for (int p = 0; p < 3; p++) o[3 * j + p] = w[p][j];
+    }
+    gsum[g] = (float)((double)hsum8_epi32(vsum) * (double)unit[g]);
+    return 1;
+}
+
+/* 8-bit codes: the input of block g as 16-bit pieces, X = round(x 2^e_g) = 65536 Xh + Xl (Xl the low 16 bits,
+ * signed; |Xh| <= 64), 16 bytes a step: xd[4 k ..] = Xl of columns 4k .. 4k+3, then their Xh (vpackssdw of the two
+ * pieces puts them so, 8 columns a vector, without saturating). unit[g] and gsum[g] as tiled_block_input_t's. A
+ * block ends on a step (bw is a multiple of 4), so a vector whose last 4 columns lie past c1 writes its first step
+ * only: the next block's is another thread's. */
+static int tiled_block_input8(const Tiled *a, const float *x, int32_t *xd, float *unit, float *gsum, int64_t g) {
+    const int64_t c0 = g * a->bw, c1 = c0 + a->bw < a->cols ? c0 + a->bw : a->cols;
+    float fac;
+    if (!block_scale8(x, c0, c1, &fac, &unit[g])) return 0;
+    const __m256 vfac = _mm256_set1_ps(fac);
+    __m256i vsum = _mm256_setzero_si256(); /* |X| < 2^22, 16 a lane: exact */
+    for (int64_t c = c0; c < c1; c += 8) {
+        const __m256i X = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_maskload_ps(x + c, lanes8(c1 - c)), vfac));
+        vsum = _mm256_add_epi32(vsum, X);
+        const __m256i lo = _mm256_srai_epi32(_mm256_slli_epi32(X, 16), 16);
+        const __m256i hi = _mm256_srai_epi32(_mm256_sub_epi32(X, lo), 16); /* exact: a multiple of 65536 */
+        const __m256i both = _mm256_packs_epi32(lo, hi);
+        if (c1 - c > 4) _mm256_storeu_si256((__m256i *)(xd + c), both);
+        else _mm_storeu_si128((__m128i *)(xd + c), _mm256_castsi256_si128(both));
     }
     gsum[g] = (float)((double)hsum8_epi32(vsum) * (double)unit[g]);
     return 1;
@@ -371,9 +399,53 @@ AI void tiled_tile_avx2_t(const Tiled *a, int64_t t, const int32_t *xd, const fl
     store_tile8x2(y, t, a->rows, total, total_off);
 }
 
+/* 8-bit codes: the 16 rows of tile t as four quarters of 4 rows (16 code bytes of a step, widened to 16 bits):
+ * vpmaddwd by the step's broadcast pieces gives a row's two int32 lanes (columns 4k, 4k+1 and 4k+2, 4k+3), summed
+ * over the block (|lane| <= 2 bsteps * 255 * 32768 < 2^30 for bsteps <= 32), then a row's two lanes by vphaddd
+ * (< 2^31) and the rows into order by one permute. */
+AI void tiled_tile_avx2_8(const Tiled *a, int64_t t, const int32_t *xd, const float *unit, const float *gsum,
+                          float *y, const uint8_t *next) {
+    const uint8_t *base = a->tiles + t * a->steps * 64;
+    const int64_t ahead = next ? next - base : 0;
+    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+    const float mid = 0.5f * (float)(a->levels - 1);
+    __m256 total[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, total_off[2] = {total[0], total[0]};
+    const int64_t per_group = a->ngroups == 1 ? a->nblocks : a->group / a->bw;
+    for (int64_t blk = 0, g = 0, in_g = 0; blk < a->nblocks; blk++, in_g++) {
+        if (in_g == per_group) {
+            g++;
+            in_g = 0;
+        }
+        const int64_t k0 = blk * a->bsteps, k1 = k0 + a->bsteps < a->steps ? k0 + a->bsteps : a->steps;
+        __m256i lo[4], hi[4];
+        for (int j = 0; j < 4; j++) lo[j] = hi[j] = _mm256_setzero_si256();
+        for (int64_t k = k0; k < k1; k++) {
+            prefetch_line(base + k * 64, ahead);
+            int64_t pieces[2];
+            memcpy(pieces, xd + 4 * k, sizeof pieces);
+            const __m256i xl = _mm256_set1_epi64x(pieces[0]), xh = _mm256_set1_epi64x(pieces[1]);
+            for (int j = 0; j < 4; j++) {
+                const __m256i q = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(base + k * 64 + 16 * j)));
+                madd_add(&lo[j], q, xl);
+                madd_add(&hi[j], q, xh);
+            }
+        }
+        const int64_t side = (t * a->ngroups + g) * 16;
+        for (int h = 0; h < 2; h++) {
+            const __m256i L = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(lo[2 * h], lo[2 * h + 1]), order);
+            const __m256i H = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(hi[2 * h], hi[2 * h + 1]), order);
+            const __m256 dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(H), _mm256_set1_ps(65536.0f), _mm256_cvtepi32_ps(L));
+            tiles_block_sum8(&total[h], &total_off[h], dot, unit[blk], a->scale, a->symmetric ? NULL : a->offset,
+                             a->scale_f32, side + 8 * h, mid, gsum[blk]);
+        }
+    }
+    store_tile8x2(y, t, a->rows, total, total_off);
+}
+
 static void tiled_tile(const Tiled *a, int64_t t, const int32_t *xd, const float *unit, const float *gsum, float *y,
                        const uint8_t *next) {
-    if (a->bits == 4) tiled_tile_avx2_t(a, t, xd, unit, gsum, y, 2, next);
+    if (a->bits == 8) tiled_tile_avx2_8(a, t, xd, unit, gsum, y, next);
+    else if (a->bits == 4) tiled_tile_avx2_t(a, t, xd, unit, gsum, y, 2, next);
     else tiled_tile_avx2_t(a, t, xd, unit, gsum, y, 4, next);
 }
 #else
@@ -384,7 +456,7 @@ static void tiled_tile(const Tiled *a, int64_t t, const int32_t *xd, const float
 static int tiled_kinds(void) {
     if (!g_simd) return 0;
     if (HAVE_VNNI) return 1 << 8 | 1 << 4 | 1 << 3 | 1 << 2;
-    if (HAVE_TILES_AVX2) return 1 << 4 | 1 << 3 | 1 << 2;
+    if (HAVE_TILES_AVX2) return 1 << 8 | 1 << 4 | 1 << 3 | 1 << 2;
     return 0;
 }
 API int accel_tiled_kinds(void) { return tiled_kinds(); }
@@ -401,7 +473,8 @@ API int accel_affine_tiled_matvec(const uint8_t *tiles, int bits, int levels, in
     if (tiled_kinds() & 1 << bits) {
         const int64_t ntiles = (rows + 15) / 16;
         const int per = 8 / bits;
-        const size_t nxd = (size_t)(a.steps + 4) * per * 3; /* + the tile loop's overrun */
+        /* dwords a step: 3 pieces of each field's 4 bytes; the AVX2 8-bit tiles' two 16-bit pieces of 4 columns */
+        const size_t nxd = (size_t)(a.steps + 4) * (bits == 8 && !HAVE_VNNI ? 4 : per * 3); /* + the overrun */
         int32_t *xd = xalloc(nxd * sizeof(int32_t));
         float *unit = xalloc((size_t)a.nblocks * 2 * sizeof(float));
         const float *gr = unit + a.nblocks;
