@@ -100,7 +100,7 @@ def test_affine_tiled_integer_kernel(rng, shape, levels, symmetric, group):
     parts = _parts(entry, arrays)
     kw = _check_matvec(entry, parts, rng)
     if not lib.accel_tiled_kinds() & (1 << bitpack.bits_for_levels(levels)):
-        pytest.skip("this CPU or compiler has no integer tile kernel for these codes (AVX-512 VNNI, AVX2: 4, 2 bits)")
+        pytest.skip("this CPU or compiler has no integer tile kernel for these codes (AVX-512 VNNI or AVX2)")
     assert kw.tiled
     tile = np.full(shape, np.nan, dtype=np.float32)
     kw.decode_rows_ptr(0, shape[0], tile.ctypes.data)

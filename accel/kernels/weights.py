@@ -117,7 +117,7 @@ class AffineWeight(KernelWeight):
         self._lib = library()
         # a 16-row tile copy for the integer kernels (csrc/affine_tiles.c), where the CPU and the shapes allow; it
         # replaces the stored stream in memory. "packed": 8/4/2-bit codes; "base3": L = 3, in the base-3 tiles' order.
-        # accel_tiled_kinds: bit b for b-bit packed codes, bit 3 for base-3 (AVX-512 VNNI: all; AVX2: 4, 2 and base-3)
+        # accel_tiled_kinds: bit b for b-bit packed codes, bit 3 for base-3 (AVX-512 VNNI: all; AVX2 too)
         self.tiled = None
         kinds = self._lib.accel_tiled_kinds()
         if self._tileable() and kinds & (1 << self.bits):
