@@ -696,6 +696,18 @@ def test_refuses_unsupported_gguf_architecture(tmp_path):
         open_model(path)
 
 
+def test_refuses_a_one_dimensional_embedding(tmp_path):
+    path = tmp_path / "emb.gguf"
+    writer = gguf_writer(path, random_llama().config, "llama")
+    writer.add_tensor("token_embd.weight", np.zeros(8, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(FormatError, match="token_embd.weight has 1 dimensions, not 2"):
+        open_model(path)
+
+
 def test_refuses_truncated_gguf(tiny_gguf, tmp_path):
     data = tiny_gguf[0].read_bytes()
     for cut in (len(data) - 200, 40):

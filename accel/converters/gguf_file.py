@@ -180,6 +180,8 @@ class GGUFSource(ModelSource):
         embed = self._tensors.get("token_embd.weight")
         if embed is None:
             raise FormatError(f"{self.path}: no token_embd.weight tensor")
+        if len(embed.shape) != 2:
+            raise FormatError(f"{self.path}: token_embd.weight has {len(embed.shape)} dimensions, not 2")
         vocab = embed.shape[1]  # GGUF lists dimensions innermost first
         meta_vocab = self._meta("vocab_size")
         if meta_vocab is not None and int(meta_vocab) != vocab:
