@@ -308,6 +308,13 @@ static int tiled_block_input8(const Tiled *a, const float *x, int32_t *xd, float
     return 1;
 }
 
+/* the steps [*k0, *k1) of input block blk, and the group it lies in */
+AI int64_t tiled_block(const Tiled *a, int64_t blk, int64_t *k0, int64_t *k1) {
+    *k0 = blk * a->bsteps;
+    *k1 = *k0 + a->bsteps < a->steps ? *k0 + a->bsteps : a->steps;
+    return a->ngroups == 1 ? 0 : blk / (a->group / a->bw);
+}
+
 AI __m256 tiled_side8(const void *p, int is_f32, int64_t at) {
     return is_f32 ? _mm256_loadu_ps((const float *)p + at)
                   : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + at)));
@@ -365,13 +372,9 @@ AI void tiled_tile_avx2_t(const Tiled *a, int64_t t, const int32_t *xd, const fl
     const __m256i ones = _mm256_set1_epi16(1);
     const float mid = 0.5f * (float)(a->levels - 1);
     __m256 total[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, total_off[2] = {total[0], total[0]};
-    const int64_t per_group = a->ngroups == 1 ? a->nblocks : a->group / a->bw;
-    for (int64_t blk = 0, g = 0, in_g = 0; blk < a->nblocks; blk++, in_g++) {
-        if (in_g == per_group) {
-            g++;
-            in_g = 0;
-        }
-        const int64_t k0 = blk * a->bsteps, k1 = k0 + a->bsteps < a->steps ? k0 + a->bsteps : a->steps;
+    for (int64_t blk = 0; blk < a->nblocks; blk++) {
+        int64_t k0, k1;
+        const int64_t g = tiled_block(a, blk, &k0, &k1);
         __m256i s32[2][3];
         for (int h = 0; h < 2; h++)
             for (int p = 0; p < 3; p++) s32[h][p] = _mm256_setzero_si256();
@@ -410,13 +413,9 @@ AI void tiled_tile_avx2_8(const Tiled *a, int64_t t, const int32_t *xd, const fl
     const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
     const float mid = 0.5f * (float)(a->levels - 1);
     __m256 total[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, total_off[2] = {total[0], total[0]};
-    const int64_t per_group = a->ngroups == 1 ? a->nblocks : a->group / a->bw;
-    for (int64_t blk = 0, g = 0, in_g = 0; blk < a->nblocks; blk++, in_g++) {
-        if (in_g == per_group) {
-            g++;
-            in_g = 0;
-        }
-        const int64_t k0 = blk * a->bsteps, k1 = k0 + a->bsteps < a->steps ? k0 + a->bsteps : a->steps;
+    for (int64_t blk = 0; blk < a->nblocks; blk++) {
+        int64_t k0, k1;
+        const int64_t g = tiled_block(a, blk, &k0, &k1);
         __m256i lo[4], hi[4];
         for (int j = 0; j < 4; j++) lo[j] = hi[j] = _mm256_setzero_si256();
         for (int64_t k = k0; k < k1; k++) {
