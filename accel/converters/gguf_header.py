@@ -88,11 +88,6 @@ class _Cursor:
         self.at += n
         return value
 
-    def skip_string(self, what: str) -> None:
-        n = self.unpack("<Q", what)
-        self.need(n, what)
-        self.at += n
-
     def string(self, what: str, strict: bool) -> str:
         n = self.unpack("<Q", what)
         self.need(n, what)

@@ -13,12 +13,12 @@ from typing import Any, Self
 
 import numpy as np
 
+from accel.converters.gguf_header import MAGIC as GGUF_MAGIC
 from accel.errors import AccelError
 
 # Pickle-based checkpoint formats: loading one runs arbitrary code from the file.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
-GGUF_MAGIC = b"GGUF"
 
 # The precisions a source may report; everything loads as float32.
 SOURCE_DTYPES = ("float32", "float16", "bfloat16")

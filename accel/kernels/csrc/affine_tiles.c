@@ -252,11 +252,33 @@ static void tiled_tile(const Tiled *a, int64_t t, const int32_t *xd, const float
  * would overflow vpmaddubsw's 16-bit sums): the codes widened to 16 bits, times the input in two 16-bit pieces
  * X = 65536 Xh + Xl by vpmaddwd straight into int32 lanes (tiled_tile_avx2_8). */
 
+/* 8-bit codes: the input of block g as 16-bit pieces, X = round(x 2^e_g) = 65536 Xh + Xl (Xl the low 16 bits,
+ * signed; |Xh| <= 64), 16 bytes a step: xd[4 k ..] = Xl of columns 4k .. 4k+3, then their Xh (vpackssdw of the two
+ * pieces puts them so, 8 columns a vector, without saturating). unit[g] and gsum[g] as tiled_block_input_t's. A
+ * block ends on a step (bw is a multiple of 4), so a vector whose last 4 columns lie past c1 writes its first step
+ * only: the next block's is another thread's. */
+static int tiled_block_input8(const Tiled *a, const float *x, int32_t *xd, float *unit, float *gsum, int64_t g) {
+    const int64_t c0 = g * a->bw, c1 = c0 + a->bw < a->cols ? c0 + a->bw : a->cols;
+    float fac;
+    if (!block_scale8(x, c0, c1, &fac, &unit[g])) return 0;
+    const __m256 vfac = _mm256_set1_ps(fac);
+    __m256i vsum = _mm256_setzero_si256(); /* |X| < 2^22, 16 a lane: exact */
+    for (int64_t c = c0; c < c1; c += 8) {
+        const __m256i X = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_maskload_ps(x + c, lanes8(c1 - c)), vfac));
+        vsum = _mm256_add_epi32(vsum, X);
+        const __m256i lo = _mm256_srai_epi32(_mm256_slli_epi32(X, 16), 16);
+        const __m256i hi = _mm256_srai_epi32(_mm256_sub_epi32(X, lo), 16); /* exact: a multiple of 65536 */
+        const __m256i both = _mm256_packs_epi32(lo, hi);
+        if (c1 - c > 4) _mm256_storeu_si256((__m256i *)(xd + c), both);
+        else _mm_storeu_si128((__m128i *)(xd + c), _mm256_castsi256_si128(both));
+    }
+    gsum[g] = (float)((double)hsum8_epi32(vsum) * (double)unit[g]);
+    return 1;
+}
+
 /* the input digits of block g (see tiled_block_input_t): 8 columns a vector, then the bytes of 16 columns into their
  * dword order (step, field) by one shuffle a piece. A block is whole steps (bw is a multiple of 4 per), and the bytes
- * of a last step's columns past the matrix's end are zero. */
-static int tiled_block_input8(const Tiled *a, const float *x, int32_t *xd, float *unit, float *gsum, int64_t g);
-
+ * of a last step's columns past the matrix's end are zero. 8-bit codes: tiled_block_input8. */
 static int tiled_block_input(const Tiled *a, const float *x, int32_t *xd, float *unit, float *gsum, int64_t g) {
     if (a->bits == 8) return tiled_block_input8(a, x, xd, unit, gsum, g);
     const int per = 8 / a->bits;
@@ -279,30 +301,6 @@ static int tiled_block_input(const Tiled *a, const float *x, int32_t *xd, float 
         int32_t *o = xd + ((c0 + cc) / 4) * 3; /* dword (k per + f) * 3 + p, k = c / (4 per) */
         for (int64_t j = 0; j < ndw; j++)
             for (int p = 0; p < 3; p++) o[3 * j + p] = w[p][j];
-    }
-    gsum[g] = (float)((double)hsum8_epi32(vsum) * (double)unit[g]);
-    return 1;
-}
-
-/* 8-bit codes: the input of block g as 16-bit pieces, X = round(x 2^e_g) = 65536 Xh + Xl (Xl the low 16 bits,
- * signed; |Xh| <= 64), 16 bytes a step: xd[4 k ..] = Xl of columns 4k .. 4k+3, then their Xh (vpackssdw of the two
- * pieces puts them so, 8 columns a vector, without saturating). unit[g] and gsum[g] as tiled_block_input_t's. A
- * block ends on a step (bw is a multiple of 4), so a vector whose last 4 columns lie past c1 writes its first step
- * only: the next block's is another thread's. */
-static int tiled_block_input8(const Tiled *a, const float *x, int32_t *xd, float *unit, float *gsum, int64_t g) {
-    const int64_t c0 = g * a->bw, c1 = c0 + a->bw < a->cols ? c0 + a->bw : a->cols;
-    float fac;
-    if (!block_scale8(x, c0, c1, &fac, &unit[g])) return 0;
-    const __m256 vfac = _mm256_set1_ps(fac);
-    __m256i vsum = _mm256_setzero_si256(); /* |X| < 2^22, 16 a lane: exact */
-    for (int64_t c = c0; c < c1; c += 8) {
-        const __m256i X = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_maskload_ps(x + c, lanes8(c1 - c)), vfac));
-        vsum = _mm256_add_epi32(vsum, X);
-        const __m256i lo = _mm256_srai_epi32(_mm256_slli_epi32(X, 16), 16);
-        const __m256i hi = _mm256_srai_epi32(_mm256_sub_epi32(X, lo), 16); /* exact: a multiple of 65536 */
-        const __m256i both = _mm256_packs_epi32(lo, hi);
-        if (c1 - c > 4) _mm256_storeu_si256((__m256i *)(xd + c), both);
-        else _mm_storeu_si128((__m128i *)(xd + c), _mm256_castsi256_si128(both));
     }
     gsum[g] = (float)((double)hsum8_epi32(vsum) * (double)unit[g]);
     return 1;
