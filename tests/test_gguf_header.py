@@ -181,6 +181,20 @@ def test_alignment_must_be_a_power_of_two(tmp_path):
         GGUFHeader(bad)
 
 
+def test_a_string_array_cut_between_items_is_refused(tmp_path):
+    """The last metadata entry a string array whose last items are cut off, fewer than 8 bytes left: nothing read
+    after it fails, so the array's own walk must (it stopped early and read as whole)."""
+    key = b"t.strings"
+    body = struct.pack("<4sIQQ", b"GGUF", 3, 0, 1) + struct.pack("<Q", len(key)) + key + struct.pack("<IIQ", 9, 8, 3)
+    body += struct.pack("<Q", 16) + b"x" * 16 + struct.pack("<Q", 1) + b"y"  # items 1 and 2 whole
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(body + b"\0" * 7)  # item 3's length cut to 7 of its 8 bytes
+    with pytest.raises(GGUFHeaderError, match="metadata 't.strings'.*runs past the end"):
+        GGUFHeader(path)
+    path.write_bytes(body + struct.pack("<Q", 0))  # item 3 whole (empty): read
+    assert GGUFHeader(path).fields["t.strings"].count == 3
+
+
 def test_nested_arrays_are_walked_and_bounded(tmp_path):
     """gguf-py writes no arrays of arrays, but GGUF allows them: one is walked over; nesting past MAX_NESTING is
     refused, not recursed into."""

@@ -118,7 +118,8 @@ def _skip_array(cur: _Cursor, what: str, depth: int = 0) -> GGUFArray:
         buffer, at, size = cur.buffer, cur.at, cur.size
         unpack_length = struct.Struct("<Q").unpack_from
         for _ in range(count):
-            if at + 8 > size:
+            if at + 8 > size:  # an item's length past the end: past it, for the check below
+                at = size + 1
                 break
             at += 8 + unpack_length(buffer, at)[0]
         cur.need(at - cur.at, what)  # past the end: the error names the array's start
