@@ -25,8 +25,10 @@ def gptq_affine(w: np.ndarray, h: np.ndarray, levels: int, group: int) -> tuple[
         h = np.pad(h, ((0, pad), (0, pad)))
     u = damped_inverse_cholesky(h)
     # the grids are fitted to columns that error feedback has already changed, so their dtype is known only at the
-    # end: float16 first, and again in float32 when a float16 grid missed its group (grid_dtype)
-    out, scale, offset, exact = _feedback_pass(w, u, levels - 1, group, "float16")
+    # end: float16 first, and again in float32 when a float16 grid missed its group (grid_dtype); a float16 pass
+    # that overflows (inf grids, then NaN feedback) is the one thrown away, so its warnings would only be noise
+    with np.errstate(over="ignore", invalid="ignore"):
+        out, scale, offset, exact = _feedback_pass(w, u, levels - 1, group, "float16")
     if grid_dtype(exact[0], levels - 1, exact[1]) == "float32":
         out, scale, offset, _ = _feedback_pass(w, u, levels - 1, group, "float32")
     return out[:, :cols], scale, offset
