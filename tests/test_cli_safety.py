@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -115,6 +116,24 @@ def test_an_inconsistent_config_is_one_line(capsys, tmp_path, text_file):
     assert len(err) < 200
 
 
+@pytest.mark.parametrize("key,value", [("hidden_size", 0), ("num_attention_heads", 0), ("head_dim", 0),
+                                       ("intermediate_size", -1)])
+def test_a_size_that_is_not_positive_is_named(capsys, tmp_path, text_file, key, value):
+    """hidden_size 0 built a model of empty layers (a torch warning a layer) and failed later on every tensor's
+    shape; the size itself is named now, before anything is built."""
+    import accel.fixtures
+
+    broken = tmp_path / "gdn"
+    shutil.copytree(Path(accel.fixtures.__file__).parent / "tiny-gdn", broken)
+    config = json.loads((broken / "config.json").read_text())
+    config[key] = value
+    (broken / "config.json").write_text(json.dumps(config))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        code, _, err = run(capsys, "eval", broken, "--data", text_file, "--windows", "1", "--seq-len", "32")
+    assert_one_line_error(code, err, 2, f"config's {key} is {value!r}: it must be a positive integer")
+
+
 def test_sliding_layers_without_a_window_are_one_line(capsys, model, tmp_path, text_file):
     """A Qwen3 config with use_sliding_window false (so no window) whose layer_types lists sliding layers: transformers
     builds the model, then fails in its cache (a TypeError traceback from eval, a ValueError from calibrate)."""
@@ -170,7 +189,7 @@ def test_a_group_wider_than_the_row_is_the_row(rng):
 @pytest.mark.parametrize("change,message", [
     ({"num_key_value_heads": 4}, "has shape (20, 40), the model expects (40, 40)"),
     ({"mlp_bias": "yes"}, "not a valid 'llama' config"),
-    ({"head_dim": 0}, "cannot build a causal LM of type 'llama'"),
+    ({"head_dim": 0}, "config's head_dim is 0: it must be a positive integer"),
 ])
 def test_a_source_whose_config_does_not_describe_its_tensors_is_refused_before_any_work(
         capsys, model, tmp_path, change, message):

@@ -71,13 +71,27 @@ def empty_model(config: Mapping[str, Any], attn_implementation: str | None = Non
         hf_config = AutoConfig.for_model(model_type, **kwargs)
     except Exception as err:  # transformers' config classes validate with their own exception types
         raise AccelError(f"the model config is not a valid {model_type!r} config: {one_line(err)}") from err
+    _check_sizes(hf_config, model_type)
     _check_sliding_layers(hf_config, model_type)
     extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     try:
         with _parameters_on_meta():
             return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, **extra)
-    except Exception as err:  # a config value the model's constructor cannot use (head_dim 0: a ZeroDivisionError)
+    except Exception as err:  # a config value the model's constructor cannot use (one its config class lets through)
         raise AccelError(f"cannot build a causal LM of type {model_type!r}: {one_line(err)}") from err
+
+
+# Sizes every causal LM config has (head_dim where set) and none can be 0: transformers builds zero-size layers
+# (with a torch warning a tensor) and the mismatch shows only later, as a shape error against every tensor.
+POSITIVE_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim")
+
+
+def _check_sizes(hf_config: Any, model_type: str) -> None:
+    for key in POSITIVE_SIZES:
+        value = getattr(hf_config, key, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise AccelError(f"the {model_type!r} config's {key} is {value!r}: it must be a positive integer")
 
 
 def _check_sliding_layers(hf_config: Any, model_type: str) -> None:
