@@ -13,6 +13,7 @@ import numpy as np
 from accel.errors import AccelError
 from accel.formats import jsontext
 from accel.formats.artifact import MANIFEST_FILE, Artifact
+from accel.memory import check_fits, float32_bytes
 from accel.progress import SILENT, Progress
 
 
@@ -93,6 +94,8 @@ def load_causal_lm(spec: str | Path, progress: Progress = SILENT, kernels: bool 
             model = build_kernel_model(art, config, progress)
             progress.stage("loading the tokenizer", 1)
         else:
+            check_fits(float32_bytes(art.model_shapes().values()), f"{spec}: decoding the model",
+                       "--kernels keeps its quantized weights packed")
             tensors = load_decoded_tensors(art, progress)
             progress.stage("building the model", 2)  # seconds of silence otherwise (transformers, the tokenizer)
             model = build_transformers_model(config, tensors)
@@ -109,6 +112,7 @@ def load_causal_lm(spec: str | Path, progress: Progress = SILENT, kernels: bool 
     with open_model(spec) as source:
         progress.advance()
         names = source.tensor_names()
+        check_fits(float32_bytes(source.tensor_shapes().values()), f"{spec}: loading the model")
         progress.stage("loading weights", len(names))
         tensors = {}
         for name in names:
