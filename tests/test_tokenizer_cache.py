@@ -35,9 +35,16 @@ def test_a_gguf_tokenizer_is_converted_once_and_saved_the_same(tmp_path, monkeyp
     tokenizers = {}
     for run in ("converted", "cached"):
         with open_model("smollm2-135m") as src:
+            # the progress label of a conversion: only before the first one
+            assert src.tokenizer_work() == ("converting the GGUF tokenizer (once: cached)" if run == "converted"
+                                            else None)
             tokenizers[run] = src.load_tokenizer()
+            assert src.tokenizer_work() is None
             src.save_support_files(tmp_path / run)
         assert len(builds) == 1
+    monkeypatch.setenv("ACCEL_TOKENIZER_CACHE", "off")
+    with open_model("smollm2-135m") as src:
+        assert src.tokenizer_work() == "converting the GGUF tokenizer"
     assert tokenizers["cached"](TEXT).input_ids == tokenizers["converted"](TEXT).input_ids
     assert len(tokenizers["cached"]) == len(tokenizers["converted"]) == 49152
     names = sorted(p.name for p in (tmp_path / "converted").iterdir())
@@ -76,3 +83,8 @@ def test_cache_entries_follow_their_inputs(tmp_path, monkeypatch):
     monkeypatch.setenv("ACCEL_TOKENIZER_CACHE", "off")
     cached_tokenizer("j", 5, build)
     assert len(builds) == 3 and [p.name for p in tmp_path.iterdir()] == ["k"]
+
+
+def test_a_directory_tokenizer_is_no_work(tiny_llama):
+    with open_model(tiny_llama) as src:
+        assert src.tokenizer_work() is None  # its files are read, nothing converted: no stage of its own

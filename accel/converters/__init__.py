@@ -4,7 +4,7 @@ from accel.converters.aliases import ALIASES, alias_table, resolve_alias
 from accel.converters.gguf_file import GGUFSource
 from accel.converters.hf_dir import HFDirSource
 from accel.converters.materialize import build_transformers_model
-from accel.converters.sources import ModelSource, open_model
+from accel.converters.sources import ModelSource, announce_tokenizer_work, open_model
 
 __all__ = [
     "ALIASES",
@@ -12,6 +12,7 @@ __all__ = [
     "HFDirSource",
     "ModelSource",
     "alias_table",
+    "announce_tokenizer_work",
     "build_transformers_model",
     "open_model",
     "resolve_alias",

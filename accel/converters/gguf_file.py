@@ -142,6 +142,7 @@ class GGUFSource(ModelSource):
         self._names = sorted(self._entries)
         self.input_files = [self.path]
         self._tokenizer = None
+        self._tokenizer_key_memo: str | None = None
         tokens = self._header.fields.get("tokenizer.ggml.tokens")
         self._has_tokenizer = isinstance(tokens, GGUFArray)
         self._vocab = tokens.count if self._has_tokenizer else 0
@@ -426,15 +427,34 @@ class GGUFSource(ModelSource):
         if self._tokenizer is None:
             if not self._has_tokenizer:
                 raise AccelError(f"{self.path}: the GGUF file carries no tokenizer")
-            from accel.converters.tokenizer_cache import cache_key, cached_tokenizer
+            from accel.converters.tokenizer_cache import cached_tokenizer
 
             try:
-                with open(self.path, "rb") as f:
-                    key = cache_key(f.read(self._metadata_end))
-                self._tokenizer = cached_tokenizer(key, self._vocab, self._build_tokenizer)
+                self._tokenizer = cached_tokenizer(self._tokenizer_key(), self._vocab, self._build_tokenizer)
             except Exception as err:
                 raise AccelError(f"{self.path}: cannot build the tokenizer: {one_line(err)}") from err
         return self._tokenizer
+
+    def tokenizer_work(self) -> str | None:
+        from accel.converters.tokenizer_cache import cache_dir, is_cached
+
+        if self._tokenizer is not None or not self._has_tokenizer:
+            return None
+        try:
+            if is_cached(self._tokenizer_key()):
+                return None
+        except OSError:
+            return None  # load_tokenizer says what is wrong with the file
+        return "converting the GGUF tokenizer" + (" (once: cached)" if cache_dir() is not None else "")
+
+    def _tokenizer_key(self) -> str:
+        """The tokenizer cache's key: the header and metadata bytes (what the conversion reads), hashed."""
+        if self._tokenizer_key_memo is None:
+            from accel.converters.tokenizer_cache import cache_key
+
+            with open(self.path, "rb") as f:
+                self._tokenizer_key_memo = cache_key(f.read(self._metadata_end))
+        return self._tokenizer_key_memo
 
     def _build_tokenizer(self) -> Any:
         """transformers' conversion of the file's tokenizer metadata (seconds: accel caches the result)."""

@@ -15,6 +15,7 @@ import numpy as np
 
 from accel.converters.gguf_header import MAGIC as GGUF_MAGIC
 from accel.errors import AccelError
+from accel.progress import Progress
 
 # Pickle-based checkpoint formats: loading one runs arbitrary code from the file.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -82,6 +83,11 @@ class ModelSource(abc.ABC):
     def load_tokenizer(self) -> Any:
         """A transformers fast tokenizer."""
 
+    def tokenizer_work(self) -> str | None:
+        """What the first `load_tokenizer` will spend seconds on, for a progress bar's label; None when it only
+        reads files."""
+        return None
+
     @abc.abstractmethod
     def save_support_files(self, out_dir: Path) -> None:
         """Write config.json and the tokenizer files into out_dir (same input, same bytes)."""
@@ -105,6 +111,13 @@ class ModelSource(abc.ABC):
 
     def _unknown_tensor(self, name: str) -> AccelError:
         return AccelError(f"{self.name}: no tensor named {name!r}")
+
+
+def announce_tokenizer_work(source: ModelSource, progress: Progress) -> None:
+    """Give the first conversion of a tokenizer (seconds) a progress stage of its own, where it has one."""
+    work = source.tokenizer_work()
+    if work:
+        progress.stage(work, 1)
 
 
 def open_model(spec: str | Path) -> ModelSource:

@@ -44,6 +44,12 @@ def cache_key(metadata: bytes) -> str:
     return digest.hexdigest()[:32]
 
 
+def is_cached(key: str) -> bool:
+    """Whether entry `key` is there to load (a damaged one is found out, and built again, only by loading it)."""
+    root = cache_dir()
+    return root is not None and (root / key).is_dir()
+
+
 def cached_tokenizer(key: str, vocab_size: int, build: Callable[[], Any]) -> Any:
     """The tokenizer of entry `key` if it loads with `vocab_size` tokens, else `build()`, saved as that entry."""
     root = cache_dir()

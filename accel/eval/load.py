@@ -77,7 +77,7 @@ def load_causal_lm(spec: str | Path, progress: Progress = SILENT, kernels: bool 
     """
     from transformers import AutoTokenizer
 
-    from accel.converters import build_transformers_model, open_model
+    from accel.converters import announce_tokenizer_work, build_transformers_model, open_model
 
     if is_accel_output(spec):
         art = Artifact(Path(spec))
@@ -122,6 +122,7 @@ def load_causal_lm(spec: str | Path, progress: Progress = SILENT, kernels: bool 
         model = build_transformers_model(source.config, tensors)
         del tensors
         progress.advance()
+        announce_tokenizer_work(source, progress)
         tokenizer = source.load_tokenizer()
         progress.advance()
         progress.close()
@@ -134,7 +135,7 @@ def streamed_causal_lm(spec: str | Path, progress: Progress = SILENT,
                        nonfinite_message: str | None = None) -> Iterator[LoadedModel]:
     """A source model whose weights stay in the source while the block runs: `model` is built on the meta device,
     and `streamed` (accel.converters.streamed.StreamedModel) loads and releases parts of it. Not an OUT_DIR."""
-    from accel.converters import open_model
+    from accel.converters import announce_tokenizer_work, open_model
     from accel.converters.streamed import StreamedModel
 
     if is_accel_output(spec):
@@ -143,6 +144,7 @@ def streamed_causal_lm(spec: str | Path, progress: Progress = SILENT,
     with open_model(spec) as source:
         progress.advance()
         streamed = StreamedModel(source, nonfinite_message)
+        announce_tokenizer_work(source, progress)
         tokenizer = source.load_tokenizer()
         progress.advance()
         progress.close()

@@ -246,7 +246,7 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
     that Ray cluster (accel.quantize.parallel.ray_workers; "local" starts one of `jobs` CPUs); the bytes written
     depend on neither.
     """
-    from accel.converters import open_model
+    from accel.converters import announce_tokenizer_work, open_model
     from accel.converters.sources import config_json_bytes
 
     started = time.perf_counter()
@@ -276,6 +276,7 @@ def quantize_model(model: str, out: Path, settings: QuantizeSettings, force: boo
         inputs = sorted({Path(p) for p in source.input_files})
         check_source_loads(model, source)
         progress.advance()
+        announce_tokenizer_work(source, progress)
         warnings = tokenizer_warnings(source)
         progress.advance()
         progress.close()
