@@ -837,6 +837,28 @@ def test_gguf_quantized_tensors_are_kept_on_their_own_grid_bit_for_bit(tmp_path)
     assert src.native_grid("model.layers.0.self_attn.q_proj.weight") is None
 
 
+def test_gguf_quantized_tensors_are_dequantized_a_slice_of_rows_at_a_time_as_gguf_does_whole(tmp_path, monkeypatch):
+    """Rows are dequantized in slices (bounded temporaries): every slice size gives gguf's whole-tensor values."""
+    import accel.converters.gguf_file as gguf_file
+
+    Q = gguf.GGMLQuantizationType
+    quant = {"model.embed_tokens.weight": Q.Q8_0, "model.layers.0.mlp.up_proj.weight": Q.Q4_1,
+             "model.layers.0.self_attn.v_proj.weight": Q.Q5_0, "model.layers.0.self_attn.q_proj.weight": Q.Q4_1}
+    path = tmp_path / "quant.gguf"
+    write_gguf(path, random_llama(seed=7), quant=quant)
+    whole = {}
+    for elements in (1 << 40, 1, 100):
+        monkeypatch.setattr(gguf_file, "DEQUANTIZE_ELEMENTS", elements)
+        with open_model(path) as src:
+            loaded = {name: src.load_tensor(name) for name in src.tensor_names()}
+        whole = whole or loaded
+        assert all(np.array_equal(loaded[n].view(np.uint32), whole[n].view(np.uint32)) for n in whole), elements
+    reader = gguf.GGUFReader(str(path))
+    direct = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in reader.tensors}
+    assert np.array_equal(whole["model.embed_tokens.weight"], direct["token_embd.weight"])
+    assert np.array_equal(whole["model.layers.0.mlp.up_proj.weight"], direct["blk.0.ffn_up.weight"])
+
+
 def test_a_grid_that_does_not_reproduce_the_values_keeps_them_raw():
     from accel.quantize.pipeline import keep_tensor
 

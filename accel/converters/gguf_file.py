@@ -69,6 +69,9 @@ MOE_ARCHITECTURES = {
 _STACKED_RE = re.compile(r"blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)_exps\.weight")
 _PER_EXPERT_RE = re.compile(r"blk\.(\d+)\.(ffn_gate|ffn_up|ffn_down)\.(\d+)\.weight")
 _LLAMA_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Elements of a quantized tensor dequantized at a time (`GGUFSource._dequantized`).
+DEQUANTIZE_ELEMENTS = 1 << 20
+
 # GGUF architecture -> (model_type, the transformers class), as config.json names them.
 HF_ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
                     "qwen3": ("qwen3", "Qwen3ForCausalLM"), "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
@@ -372,9 +375,21 @@ class GGUFSource(ModelSource):
         import gguf
 
         t = self._tensors[gguf_name]
+        data = self._data(gguf_name, expert)
         try:
-            return np.asarray(gguf.quants.dequantize(self._data(gguf_name, expert), t.tensor_type),
-                              dtype=np.float32).reshape(-1)
+            if data.dtype != np.uint8 or data.ndim < 2:  # float types, and 1-D quantized tensors: whole
+                return np.asarray(gguf.quants.dequantize(data, t.tensor_type), dtype=np.float32).reshape(-1)
+            # quantized rows (whole blocks each) a slice at a time: gguf's dequantization of a whole tensor holds
+            # about twice its float32 size in temporaries (216 MiB for SmolLM2's embedding table)
+            rows = data.reshape(-1, data.shape[-1])
+            block_size, type_size = gguf.GGML_QUANT_SIZES[t.tensor_type]
+            width = data.shape[-1] // type_size * block_size
+            out = np.empty((len(rows), width), dtype=np.float32)
+            step = max(1, DEQUANTIZE_ELEMENTS // max(width, 1))
+            for r in range(0, len(rows), step):
+                out[r : r + step] = np.asarray(gguf.quants.dequantize(rows[r : r + step], t.tensor_type),
+                                               dtype=np.float32).reshape(-1, width)
+            return out.reshape(-1)
         except Exception as err:
             raise FormatError(f"{self.path}: cannot dequantize {gguf_name} ({t.tensor_type.name}): "
                               f"{one_line(err)}") from err
@@ -386,8 +401,11 @@ class GGUFSource(ModelSource):
         values = self._dequantized(entry.gguf_name, entry.expert).reshape(entry.shape)
         if entry.qk_heads is not None:
             values = unpermute_qk(values, entry.qk_heads)
-        # A fresh array either way: F32 tensors would otherwise be views of the read-only memory map.
-        values = np.array(values, dtype=np.float32, order="C", copy=True)
+        # A fresh array either way: F32 tensors come back as views of the read-only memory map (not writeable) and
+        # are copied; the dequantized types are new arrays already, and a second copy of them only raised the peak
+        # (an 8B model's float32 embedding table is 2 GiB)
+        if not (values.flags.writeable and values.flags.c_contiguous and values.dtype == np.float32):
+            values = np.array(values, dtype=np.float32, order="C", copy=True)
         self._release(entry)
         return values
 
