@@ -201,3 +201,29 @@ def test_bit_planes_refuse_a_vector_outside_the_ball_by_tensor(rng, fill, parity
     codes[-1] = parity
     with pytest.raises(FormatError, match="tensor 'w': .*not a point of the ball"):
         _decode(entry, {**arrays, "w:codes": codes})
+
+
+def test_passes_of_rows_change_no_byte(rng, monkeypatch):
+    """The transforms and the block search run a pass of rows at a time (bounded float64 temporaries): any pass
+    size gives the bytes of one pass over the whole tensor, with and without a Hessian, and the same decode."""
+    from accel.quantize import incoherence, leech_weights
+
+    for n in (24, 576, 1560, 4104):  # odd factors 3, 9, 195, 513
+        x = rng.standard_normal((7, 3, n))
+        whole = [rht(x, 11), rht(x, 11, inverse=True)]
+        monkeypatch.setattr(incoherence, "RHT_ELEMENTS", n * 2)  # two vectors a pass, the last one short
+        assert all(np.array_equal(a, b) for a, b in zip(whole, [rht(x, 11), rht(x, 11, inverse=True)], strict=True))
+        monkeypatch.undo()
+    w = rng.standard_normal((37, 100)).astype(np.float32)
+    h = np.cov(rng.standard_normal((100, 400)))
+    results = []
+    for elements, blocks in ((1 << 40, 1 << 40), (100, 5), (130, 13)):
+        monkeypatch.setattr(incoherence, "RHT_ELEMENTS", elements)
+        monkeypatch.setattr(leech_weights, "BLOCKS_PER_PASS", blocks)
+        out = []
+        for hessian in (None, h):
+            entry, arrays = encode_tensor("w", w, "leech", shells=(13, 3), seed_in=1, seed_out=2, hessian=hessian)
+            decoded = decode_parts(entry, {p: arrays[s] for p, s in entry.parts.items()})
+            out.append(([arrays[k].tobytes() for k in sorted(arrays)], decoded.tobytes()))
+        results.append(out)
+    assert results[1] == results[0] and results[2] == results[0]

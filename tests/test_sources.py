@@ -839,7 +839,7 @@ def test_gguf_quantized_tensors_are_kept_on_their_own_grid_bit_for_bit(tmp_path)
 
 def test_gguf_quantized_tensors_are_dequantized_a_slice_of_rows_at_a_time_as_gguf_does_whole(tmp_path, monkeypatch):
     """Rows are dequantized in slices (bounded temporaries): every slice size gives gguf's whole-tensor values."""
-    import accel.converters.gguf_file as gguf_file
+    from accel.converters import gguf_file
 
     Q = gguf.GGMLQuantizationType
     quant = {"model.embed_tokens.weight": Q.Q8_0, "model.layers.0.mlp.up_proj.weight": Q.Q4_1,

@@ -21,6 +21,9 @@ from accel.quantize.incoherence import split_size, transform_hessian, transform_
 from accel.quantize.methods import WeightMethod, WeightSettings, register_weight_method
 
 RATES = {"leech2": (13,), "leech3": (13, 3), "leech4": (13, 13)}
+# Blocks searched in one pass without Hessians: each of the stages' float64 arrays is then 6 MiB, where the whole
+# tensor at once held about 19 times its float32 size (4 GiB for a 14336 x 4096 weight).
+BLOCKS_PER_PASS = 1 << 15
 _ALPHA_GRID = np.geomspace(0.2, 1.5, 28)
 
 
@@ -94,9 +97,7 @@ def quantize_leech(weight: np.ndarray, shells: tuple[int, ...], seed_in: int, se
     """Code streams, fp16 row scales and codec params for one 2-D weight."""
     rows, cols = weight.shape
     padded = padded_width(rows, cols, shells)
-    w = np.zeros((rows, padded))
-    w[:, :cols] = weight
-    wt = transform_weight(w, seed_out, seed_in)
+    wt = transform_weight(_padded(weight, padded), seed_out, seed_in)  # the padded copy lives only in there
     rms = np.sqrt((wt**2).mean(axis=1))
     check_row_scales(rms)
     scale16 = dtypes.to_storage(rms, "float16")
@@ -116,9 +117,12 @@ def quantize_leech(weight: np.ndarray, shells: tuple[int, ...], seed_in: int, se
             approx += alpha * found.points
         return indices, approx
 
-    if hessian is None:  # every block at once
-        indices, _ = stages((wt / scale[:, None]).reshape(-1, BLOCK))
-        codes = [idx.reshape(rows, blocks) for idx in indices]
+    if hessian is None:  # blocks are searched independently: a pass of rows at a time bounds the search's arrays
+        step = max(1, BLOCKS_PER_PASS // blocks)
+        for r in range(0, rows, step):
+            indices, _ = stages((wt[r : r + step] / scale[r : r + step, None]).reshape(-1, BLOCK))
+            for stream, idx in zip(codes, indices, strict=True):
+                stream[r : r + step] = idx.reshape(-1, blocks)
     else:
         def quantize(a: int, ahead: np.ndarray) -> np.ndarray:
             indices, approx = stages(ahead[:, :BLOCK] / scale[:, None])
@@ -133,6 +137,13 @@ def quantize_leech(weight: np.ndarray, shells: tuple[int, ...], seed_in: int, se
     params = {"stages": [{"max_shell": m, "alpha": a} for m, a in zip(shells, alphas, strict=True)],
               "cols": padded, "seed_in": seed_in, "seed_out": seed_out, "scale_dtype": "float16"}
     return {STREAM_NAMES[i]: c.reshape(-1) for i, c in enumerate(codes)}, scale16, params
+
+
+def _padded(weight: np.ndarray, width: int) -> np.ndarray:
+    """`weight` in float64 with zero columns up to `width`."""
+    w = np.zeros((weight.shape[0], width))
+    w[:, : weight.shape[1]] = weight
+    return w
 
 
 def encode_leech(name: str, weight: np.ndarray, shells: tuple[int, ...], settings: WeightSettings
