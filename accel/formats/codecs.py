@@ -242,7 +242,7 @@ class AffineCodec(Codec, name="affine"):
         offset = None if params["symmetric"] else dtypes.from_storage(side["offset"], params["scale_dtype"])[..., None]
         out = np.empty((rows, cols), dtype=np.float32)
         for b in _row_blocks(rows, cols):
-            q = np.zeros((len(out[b]), groups * group), dtype=np.float32)
+            q = np.zeros((b.stop - b.start, groups * group), dtype=np.float32)
             q[:, :cols] = codes[b]
             q = q.reshape(-1, groups, group)
             if params["symmetric"]:
