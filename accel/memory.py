@@ -34,9 +34,12 @@ def float32_bytes(shapes: Iterable[tuple[int, ...]]) -> int:
     return total
 
 
-def available_bytes() -> int | None:
-    """The smaller of the machine's and the memory cgroup's available bytes; None where neither can be read."""
-    found = [n for n in (machine_available(_read(MEMINFO)), cgroup_available(CGROUP)) if n is not None]
+def available_bytes() -> tuple[int, str] | None:
+    """The smaller of the machine's and the memory cgroup's available bytes, with where the figure comes from;
+    None where neither can be read."""
+    found = [(n, source) for n, source in ((machine_available(_read(MEMINFO)), "MemAvailable + SwapFree"),
+                                           (cgroup_available(CGROUP), "the memory cgroup's limit less its use"))
+             if n is not None]
     return min(found) if found else None
 
 
@@ -89,13 +92,14 @@ def check_fits(need: int, what: str, hint: str = "") -> None:
     """Refuse `what` (a model to build, named for the message) when `need` bytes exceed the memory available."""
     if os.environ.get(CHECK_ENV) == "off":
         return
-    available = available_bytes()
-    if available is None or need <= available:
+    found = available_bytes()
+    if found is None or need <= found[0]:
         return
+    available, source = found
     hint = f"; {hint}" if hint else ""
     raise AccelError(f"{what} needs {_size(need)} of memory as float32 weights, and {_size(available)} is "
-                     f"available (MemAvailable + SwapFree): the process would be killed part-way{hint}; "
-                     f"{CHECK_ENV}=off tries anyway")
+                     f"available ({source}): the process would be killed part-way{hint}; {CHECK_ENV}=off tries "
+                     f"anyway")
 
 
 def _size(n: int) -> str:

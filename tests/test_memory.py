@@ -50,12 +50,12 @@ def test_the_smaller_of_machine_and_cgroup_counts(tmp_path, monkeypatch):
     meminfo.write_text(MEMINFO)
     monkeypatch.setattr(accel.memory, "MEMINFO", meminfo)
     monkeypatch.setattr(accel.memory, "CGROUP", tmp_path / "no-cgroup")
-    assert available_bytes() == (23012344 + 1048576) * 1024
+    assert available_bytes() == ((23012344 + 1048576) * 1024, "MemAvailable + SwapFree")
     (tmp_path / "cg").mkdir()
     (tmp_path / "cg" / "memory.max").write_text("1073741824")
     (tmp_path / "cg" / "memory.current").write_text("0")
     monkeypatch.setattr(accel.memory, "CGROUP", tmp_path / "cg")
-    assert available_bytes() == 2**30
+    assert available_bytes() == (2**30, "the memory cgroup's limit less its use")
     monkeypatch.setattr(accel.memory, "MEMINFO", tmp_path / "no-meminfo")  # macOS: neither, no check
     monkeypatch.setattr(accel.memory, "CGROUP", tmp_path / "no-cgroup")
     assert available_bytes() is None
@@ -64,7 +64,7 @@ def test_the_smaller_of_machine_and_cgroup_counts(tmp_path, monkeypatch):
 def test_this_machine_reports_its_memory():
     if not accel.memory.MEMINFO.exists():
         pytest.skip("no /proc/meminfo")
-    assert available_bytes() > 0
+    assert available_bytes()[0] > 0
 
 
 def test_float32_bytes():
@@ -74,7 +74,7 @@ def test_float32_bytes():
 
 @pytest.fixture
 def little_memory(monkeypatch):
-    monkeypatch.setattr(accel.memory, "available_bytes", lambda: 10_000)
+    monkeypatch.setattr(accel.memory, "available_bytes", lambda: (10_000, "MemAvailable + SwapFree"))
 
 
 def test_eval_of_a_model_that_cannot_fit_is_refused_before_loading(capsys, tiny_llama, text_file, little_memory):
@@ -92,7 +92,7 @@ def test_an_out_dir_names_the_packed_alternative_and_the_check_can_be_turned_off
         capsys, tiny_llama, text_file, tmp_path, monkeypatch):
     out = tmp_path / "q"
     assert run(capsys, "quantize", tiny_llama, "--weights", "rtn4", "--out", out)[0] == 0
-    monkeypatch.setattr(accel.memory, "available_bytes", lambda: 10_000)
+    monkeypatch.setattr(accel.memory, "available_bytes", lambda: (10_000, "MemAvailable + SwapFree"))
     code, _, err = run(capsys, "eval", out, "--data", text_file, "--windows", "1", "--seq-len", "16")
     assert_one_line_error(code, err, 2, "decoding the model needs")
     assert "--kernels keeps its quantized weights packed" in err
@@ -104,7 +104,7 @@ def test_a_model_that_fits_is_loaded(capsys, tiny_llama, text_file, monkeypatch)
     need = None
 
     def fake_available():
-        return need
+        return need, "MemAvailable + SwapFree"
 
     monkeypatch.setattr(accel.memory, "available_bytes", fake_available)
     from accel.converters import open_model
@@ -112,3 +112,17 @@ def test_a_model_that_fits_is_loaded(capsys, tiny_llama, text_file, monkeypatch)
     with open_model(tiny_llama) as source:
         need = float32_bytes(source.tensor_shapes().values())  # exactly enough
     assert run(capsys, "eval", tiny_llama, "--data", text_file, "--windows", "1", "--seq-len", "16")[0] == 0
+
+
+def test_a_container_limit_is_named_when_it_is_the_smaller(capsys, tiny_llama, text_file, tmp_path, monkeypatch):
+    """In a container /proc/meminfo shows the host: the cgroup's limit is what the OOM killer enforces."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(MEMINFO)  # 22 GiB available on the "host"
+    (tmp_path / "cg").mkdir()
+    (tmp_path / "cg" / "memory.max").write_text("100000\n")
+    (tmp_path / "cg" / "memory.current").write_text("90000\n")
+    monkeypatch.setattr(accel.memory, "MEMINFO", meminfo)
+    monkeypatch.setattr(accel.memory, "CGROUP", tmp_path / "cg")
+    code, _, err = run(capsys, "eval", tiny_llama, "--data", text_file, "--windows", "1", "--seq-len", "16")
+    assert_one_line_error(code, err, 2, "of memory as float32 weights, and 9.8 KiB is available (the memory "
+                                        "cgroup's limit less its use)")
