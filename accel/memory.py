@@ -11,6 +11,7 @@ checked. $ACCEL_MEMORY_CHECK=off turns it off (to try anyway, say with memory th
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -25,13 +26,14 @@ CGROUP = Path("/sys/fs/cgroup")  # v2: memory.max here; v1: memory/memory.limit_
 
 def float32_bytes(shapes: Iterable[tuple[int, ...]]) -> int:
     """The bytes of float32 tensors of these shapes."""
-    total = 0
-    for shape in shapes:
-        n = 4
-        for dim in shape:
-            n *= int(dim)
-        total += n
-    return total
+    return sum(4 * math.prod(int(d) for d in shape) for shape in shapes)
+
+
+def row_passes(rows: int, width: int, elements: int) -> list[slice]:
+    """Consecutive slices of `rows` rows of `width` elements, about `elements` elements a slice (at least one row):
+    the passes in which work on a large tensor keeps its temporaries near a pass's size, not the tensor's."""
+    step = max(1, elements // max(width, 1))
+    return [slice(r, min(r + step, rows)) for r in range(0, rows, step)]
 
 
 def available_bytes() -> tuple[int, str] | None:

@@ -24,6 +24,7 @@ from accel.converters.gguf_header import GGUFArray, GGUFHeader
 from accel.converters.sources import ModelSource, config_json_bytes, one_line
 from accel.errors import AccelError, FormatError
 from accel.formats.container import drop_resident
+from accel.memory import row_passes
 
 _FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
@@ -379,16 +380,15 @@ class GGUFSource(ModelSource):
         try:
             if data.dtype != np.uint8 or data.ndim < 2:  # float types, and 1-D quantized tensors: whole
                 return np.asarray(gguf.quants.dequantize(data, t.tensor_type), dtype=np.float32).reshape(-1)
-            # quantized rows (whole blocks each) a slice at a time: gguf's dequantization of a whole tensor holds
-            # about twice its float32 size in temporaries (216 MiB for SmolLM2's embedding table)
+            # quantized rows (whole blocks each) a slice at a time: gguf's dequantization of a whole tensor peaks at
+            # twice its float32 size, the result and as much again in temporaries (217 MiB for SmolLM2's 108 MiB
+            # embedding table)
             rows = data.reshape(-1, data.shape[-1])
             block_size, type_size = gguf.GGML_QUANT_SIZES[t.tensor_type]
             width = data.shape[-1] // type_size * block_size
             out = np.empty((len(rows), width), dtype=np.float32)
-            step = max(1, DEQUANTIZE_ELEMENTS // max(width, 1))
-            for r in range(0, len(rows), step):
-                out[r : r + step] = np.asarray(gguf.quants.dequantize(rows[r : r + step], t.tensor_type),
-                                               dtype=np.float32).reshape(-1, width)
+            for r in row_passes(len(rows), width, DEQUANTIZE_ELEMENTS):
+                out[r] = np.asarray(gguf.quants.dequantize(rows[r], t.tensor_type), dtype=np.float32).reshape(-1, width)
             return out.reshape(-1)
         except Exception as err:
             raise FormatError(f"{self.path}: cannot dequantize {gguf_name} ({t.tensor_type.name}): "

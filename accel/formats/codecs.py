@@ -14,6 +14,7 @@ import numpy as np
 
 from accel.errors import FormatError
 from accel.formats import dtypes
+from accel.memory import row_passes
 
 
 @dataclass
@@ -104,9 +105,8 @@ BLOCK_ELEMENTS = 1 << 20
 
 
 def _row_blocks(rows: int, cols: int) -> list[slice]:
-    """Consecutive row slices of about BLOCK_ELEMENTS elements each (at least one row)."""
-    step = max(1, BLOCK_ELEMENTS // max(cols, 1))
-    return [slice(r, min(r + step, rows)) for r in range(0, rows, step)] or [slice(0, 0)]
+    """The affine codec's passes of rows (one empty pass for a tensor of no rows)."""
+    return row_passes(rows, cols, BLOCK_ELEMENTS) or [slice(0, 0)]
 
 
 def _rows(shape: tuple[int, ...]) -> tuple[int, int]:

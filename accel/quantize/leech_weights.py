@@ -16,13 +16,15 @@ from accel.errors import AccelError
 from accel.formats import dtypes
 from accel.formats.leech_codec import BLOCK, STREAM_NAMES, ball_levels, max_padding
 from accel.formats.tensor import TensorEntry, encode_tensor
+from accel.memory import row_passes
 from accel.quantize.gptq import damped_inverse_cholesky, error_feedback
 from accel.quantize.incoherence import split_size, transform_hessian, transform_weight
 from accel.quantize.methods import WeightMethod, WeightSettings, register_weight_method
 
 RATES = {"leech2": (13,), "leech3": (13, 3), "leech4": (13, 13)}
-# Blocks searched in one pass without Hessians: each of the stages' float64 arrays is then 6 MiB, where the whole
-# tensor at once held about 19 times its float32 size (4 GiB for a 14336 x 4096 weight).
+# Blocks searched in one pass without Hessians: each of the stages' float64 arrays is then 6 MiB instead of twice
+# the weight's float32 size (the whole encode, with the transforms' whole-matrix copies of before, peaked at 19.75
+# times it; docs/architecture.md, "Memory").
 BLOCKS_PER_PASS = 1 << 15
 _ALPHA_GRID = np.geomspace(0.2, 1.5, 28)
 
@@ -118,11 +120,10 @@ def quantize_leech(weight: np.ndarray, shells: tuple[int, ...], seed_in: int, se
         return indices, approx
 
     if hessian is None:  # blocks are searched independently: a pass of rows at a time bounds the search's arrays
-        step = max(1, BLOCKS_PER_PASS // blocks)
-        for r in range(0, rows, step):
-            indices, _ = stages((wt[r : r + step] / scale[r : r + step, None]).reshape(-1, BLOCK))
+        for r in row_passes(rows, blocks, BLOCKS_PER_PASS):
+            indices, _ = stages((wt[r] / scale[r, None]).reshape(-1, BLOCK))
             for stream, idx in zip(codes, indices, strict=True):
-                stream[r : r + step] = idx.reshape(-1, blocks)
+                stream[r] = idx.reshape(-1, blocks)
     else:
         def quantize(a: int, ahead: np.ndarray) -> np.ndarray:
             indices, approx = stages(ahead[:, :BLOCK] / scale[:, None])
