@@ -12,6 +12,7 @@ rotary embedding is the same rotate-half as transformers').
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
@@ -146,7 +147,6 @@ class GGUFSource(ModelSource):
         self._names = sorted(self._entries)
         self.input_files = [self.path]
         self._tokenizer = None
-        self._tokenizer_key_memo: str | None = None
         tokens = self._header.fields.get("tokenizer.ggml.tokens")
         self._has_tokenizer = isinstance(tokens, GGUFArray)
         self._vocab = tokens.count if self._has_tokenizer else 0
@@ -448,7 +448,7 @@ class GGUFSource(ModelSource):
             from accel.converters.tokenizer_cache import cached_tokenizer
 
             try:
-                self._tokenizer = cached_tokenizer(self._tokenizer_key(), self._vocab, self._build_tokenizer)
+                self._tokenizer = cached_tokenizer(self._tokenizer_key, self._vocab, self._build_tokenizer)
             except Exception as err:
                 raise AccelError(f"{self.path}: cannot build the tokenizer: {one_line(err)}") from err
         return self._tokenizer
@@ -459,20 +459,19 @@ class GGUFSource(ModelSource):
         if self._tokenizer is not None or not self._has_tokenizer:
             return None
         try:
-            if is_cached(self._tokenizer_key()):
+            if is_cached(self._tokenizer_key):
                 return None
         except OSError:
             return None  # load_tokenizer says what is wrong with the file
         return "converting the GGUF tokenizer" + (" (once: cached)" if cache_dir() is not None else "")
 
+    @functools.cached_property
     def _tokenizer_key(self) -> str:
         """The tokenizer cache's key: the header and metadata bytes (what the conversion reads), hashed."""
-        if self._tokenizer_key_memo is None:
-            from accel.converters.tokenizer_cache import cache_key
+        from accel.converters.tokenizer_cache import cache_key
 
-            with open(self.path, "rb") as f:
-                self._tokenizer_key_memo = cache_key(f.read(self._metadata_end))
-        return self._tokenizer_key_memo
+        with open(self.path, "rb") as f:
+            return cache_key(f.read(self._metadata_end))
 
     def _build_tokenizer(self) -> Any:
         """transformers' conversion of the file's tokenizer metadata (seconds: accel caches the result)."""
